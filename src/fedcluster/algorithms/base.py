@@ -1,0 +1,168 @@
+"""The algorithm interface shared by every method and both backends.
+
+Modelled on FedJAX's ``FederatedAlgorithm`` (``init`` + ``apply`` over a small
+server state) and pfl-research's split between what the server asks of
+clients and what they compute (DESIGN principle 1):
+
+- an algorithm is *server logic*: who gets which model, clustering,
+  aggregation -- the methods of :class:`Algorithm`;
+- what a client computes is a named client computation of the backend
+  (:class:`~fedcluster.engine.simulator.Simulator`: ``train``,
+  ``losses_and_grads``, ``evaluate``, ...), run for many clients at once in
+  simulation and for one client on a real Flower node;
+- every payload is counted in :class:`Comm` where it is sent, so
+  ``bytes_up`` / ``bytes_down`` are exact and privacy can be reasoned about.
+
+Server state is a plain ``dict`` of tensors, arrays and numbers, so a
+checkpoint is ``torch.save(state)`` and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.simulator import EvalResult, Simulator
+
+State = dict[str, Any]
+
+FLOAT_BYTES = 4  # parameters travel as float32
+INT_BYTES = 4  # sample counts and cluster ids travel as int32
+
+log = logging.getLogger("fedcluster")
+
+
+class AlgorithmParams(BaseModel):
+    """Hyperparameters of an algorithm; unknown keys are an error naming the key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class Comm:
+    """Bytes sent by the server (down) and by clients (up) in the current round."""
+
+    up: int = 0
+    down: int = 0
+
+    def broadcast(self, n_clients: int, floats: int = 0, ints: int = 0) -> None:
+        """The server sends each of ``n_clients`` clients ``floats`` float32 and ``ints`` int32."""
+        self.down += int(n_clients) * (FLOAT_BYTES * int(floats) + INT_BYTES * int(ints))
+
+    def upload(self, n_clients: int, floats: int = 0, ints: int = 0) -> None:
+        """Each of ``n_clients`` clients sends ``floats`` float32 and ``ints`` int32."""
+        self.up += int(n_clients) * (FLOAT_BYTES * int(floats) + INT_BYTES * int(ints))
+
+
+@dataclass
+class Context:
+    """What an algorithm may use: the backend, local-training defaults, seed, initial model."""
+
+    sim: Simulator
+    train: LocalTraining
+    seed: int
+    init_row: torch.Tensor
+    comm: Comm = field(default_factory=Comm)
+
+    @property
+    def n_clients(self) -> int:
+        return self.sim.federation.n_clients
+
+    @property
+    def dim(self) -> int:
+        return self.sim.layout.dim
+
+    @property
+    def train_sizes(self) -> np.ndarray:
+        return self.sim.federation.train_sizes
+
+    def fresh_rows(self, k: int, purpose: str) -> torch.Tensor:
+        """``k`` independently initialised models [k, d], derived from ``(seed, purpose)``."""
+        return torch.stack([init_row(self.sim.model, self.seed, purpose, i) for i in range(k)])
+
+    def local(self, **changes: Any) -> LocalTraining:
+        """The local-training defaults with some fields changed (e.g. ``mu``)."""
+        return replace(self.train, **changes)
+
+
+def init_row(model: nn.Module, seed: int, purpose: str, index: int = 0) -> torch.Tensor:
+    """A freshly initialised flat parameter row, derived from ``(seed, purpose, index)``.
+
+    Every submodule's ``reset_parameters`` runs under a forked global RNG
+    seeded from the derivation, so the result depends on nothing else.
+    """
+    from fedcluster.engine.flat import ParamLayout
+    from fedcluster.rng import derive_seed
+
+    fresh = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, purpose, index))
+        for module in fresh.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return ParamLayout(fresh).flatten()
+
+
+class Algorithm(ABC):
+    """Server logic of one federated algorithm."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+
+    def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
+        self.params = params
+        self.ctx = ctx
+
+    @abstractmethod
+    def init_state(self) -> State:
+        """The server state before round 1."""
+
+    @abstractmethod
+    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        """One communication round with the ``selected`` clients; updates ``state``.
+
+        Returns the mean training loss of the participating clients
+        (sample-weighted), counting payloads in ``self.ctx.comm``.
+        """
+
+    @abstractmethod
+    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+        """Models [M, d] and, for every client, the index of the model it uses."""
+
+    def evaluate(self, state: State, rnd: int) -> EvalResult:
+        """Test accuracy of every client with the model it would use."""
+        rows, model_of_client = self.eval_rows(state)
+        clients = np.arange(self.ctx.n_clients)
+        return self.ctx.sim.evaluate(clients, rows, model_of_client)
+
+    def clusters(self, state: State) -> np.ndarray | None:
+        """Cluster id of every client (−1 unassigned), or ``None`` for unclustered methods."""
+        return None
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make an algorithm runnable by name."""
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def weighted_loss(loss: torch.Tensor, sizes: np.ndarray) -> float:
+    """Sample-weighted mean of per-client training losses (NaNs of empty clients ignored)."""
+    w = torch.as_tensor(sizes, dtype=torch.float64)
+    ok = ~torch.isnan(loss)
+    if not bool(ok.any()):
+        return float("nan")
+    return float((loss.double()[ok] * w[ok]).sum() / w[ok].sum())

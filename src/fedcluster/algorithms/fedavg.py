@@ -1,0 +1,93 @@
+"""FedAvg, FedProx and FedAvg+FT: the global-model baselines.
+
+- FedAvg: McMahan et al., "Communication-efficient learning of deep networks
+  from decentralized data", AISTATS 2017, Alg. 1 -- selected clients train E
+  epochs of mini-batch SGD from the global model; the server averages their
+  models weighted by sample count n_k / n.
+- FedProx: Li et al., "Federated optimization in heterogeneous networks",
+  MLSys 2020 -- the same with the proximal term (mu/2)·||w − w^t||² in the
+  local objective (eq. 2 there).
+- FedAvg+FT: the personalisation baseline of CFLGT (Sec. V) -- the global
+  FedAvg model, fine-tuned locally on each client's classifier layer before
+  evaluation ("the client will update the bottom layer of the model on its
+  data"); fine-tuning is local, so it sends nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    State,
+    register,
+    weighted_loss,
+)
+from fedcluster.engine.flat import weighted_average
+from fedcluster.engine.simulator import EvalResult
+
+
+class FedAvgParams(AlgorithmParams):
+    mu: float = Field(0.0, ge=0.0, description="FedProx proximal coefficient (0 = FedAvg)")
+
+
+@register
+class FedAvg(Algorithm):
+    """FedAvg (McMahan et al. 2017, Alg. 1)."""
+
+    name = "fedavg"
+    Params = FedAvgParams
+
+    def init_state(self) -> State:
+        return {"global": self.ctx.init_row.clone()}
+
+    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        ctx = self.ctx
+        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+        result = ctx.sim.train(selected, state["global"], ctx.local(mu=self.params.mu), rnd)
+        ctx.comm.upload(len(selected), floats=ctx.dim, ints=1)
+        sizes = ctx.train_sizes[selected]
+        state["global"] = weighted_average(result.rows, torch.as_tensor(sizes))
+        return weighted_loss(result.loss, sizes)
+
+    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+        return state["global"].unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
+
+
+class FedProxParams(AlgorithmParams):
+    mu: float = Field(0.01, gt=0.0, description="proximal coefficient mu (FedProx eq. 2)")
+
+
+@register
+class FedProx(FedAvg):
+    """FedProx (Li et al. 2020): FedAvg with a proximal term, mu > 0."""
+
+    name = "fedprox"
+    Params = FedProxParams
+
+
+class FedAvgFTParams(AlgorithmParams):
+    mu: float = Field(0.0, ge=0.0)
+    ft_epochs: int = Field(1, ge=1, description="local fine-tuning epochs of the classifier")
+    ft_lr: float | None = Field(None, gt=0.0, description="fine-tuning rate (default: train.lr)")
+
+
+@register
+class FedAvgFT(FedAvg):
+    """FedAvg+FT: FedAvg, then each client fine-tunes the classifier layer before evaluating."""
+
+    name = "fedavg-ft"
+    Params = FedAvgFTParams
+
+    def evaluate(self, state: State, rnd: int) -> EvalResult:
+        ctx = self.ctx
+        p = self.params
+        clients = np.arange(ctx.n_clients)
+        cfg = ctx.local(epochs=p.ft_epochs, steps=None, lr=p.ft_lr or ctx.train.lr, mu=0.0)
+        tuned = ctx.sim.train(
+            clients, state["global"], cfg, rnd, purpose="finetune", classifier_only=True
+        )
+        return ctx.sim.evaluate(clients, tuned.rows, clients)

@@ -1,0 +1,294 @@
+"""The simulation backend: client computations for many clients at once.
+
+An algorithm is server logic plus a few named client computations (DESIGN
+principle 1). This module runs those computations for a set of clients over
+the packed federation data:
+
+- ``train``: local SGD from given parameter rows (FedAvg Alg. 1 ClientUpdate,
+  with FedProx's proximal term, momentum, or classifier-only fine-tuning);
+- ``losses_and_grads``: loss and gradient of K given models on one mini-batch
+  of each client (JGL eq. 1-3, IFCA's cluster estimate);
+- ``evaluate``: test (or train) loss and accuracy of the model each client uses.
+
+MLPs run through :class:`~fedcluster.engine.mlp_kernel.MLPKernel` on groups of
+clients; any other ``nn.Module`` runs client by client through
+``torch.func.functional_call`` on a flat row with autograd. Both follow the
+same batch plan (:func:`~fedcluster.engine.batches.batch_plan`) and equal the
+plain PyTorch loop of :mod:`fedcluster.engine.reference` to float tolerance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedcluster.data.federation import Federation
+from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.mlp_kernel import MLPKernel
+
+
+@dataclass
+class TrainResult:
+    """Rows after local training [n, d], mean batch loss [n], steps taken [n]."""
+
+    rows: torch.Tensor
+    loss: torch.Tensor
+    steps: torch.Tensor
+
+
+@dataclass
+class EvalResult:
+    """Per-client correct predictions, sample counts and summed loss."""
+
+    correct: np.ndarray
+    count: np.ndarray
+    loss_sum: np.ndarray
+
+    @property
+    def accuracy(self) -> np.ndarray:
+        return self.correct / np.maximum(self.count, 1)
+
+
+class Simulator:
+    """Batched client computations over a packed federation."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        federation: Federation,
+        seed: int,
+        group_size: int = 4,
+        use_kernel: bool = True,
+    ) -> None:
+        self.model = model
+        self.federation = federation
+        self.layout = ParamLayout(model)
+        self.seed = seed
+        self.group_size = max(1, int(group_size))
+        self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
+        self.seconds = 0.0
+        self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def plans(
+        self, clients: np.ndarray, cfg: LocalTraining, rnd: int, purpose: str
+    ) -> list[list[torch.Tensor]]:
+        """Each client's mini-batch plan, as global row indices into the packed train split."""
+        sizes = self.federation.train_sizes
+        offsets = self.federation.train_offsets
+        return [
+            [b + int(offsets[c]) for b in batch_plan(int(sizes[c]), cfg, self.seed, purpose, rnd, c)]
+            for c in clients
+        ]
+
+    # ------------------------------------------------------------------ train
+    def train(
+        self,
+        clients: np.ndarray,
+        start: torch.Tensor,
+        cfg: LocalTraining,
+        rnd: int,
+        purpose: str = "train",
+        classifier_only: bool = False,
+    ) -> TrainResult:
+        """Local SGD for each client from its start row (FedAvg's ClientUpdate).
+
+        ``start`` is [n, d] (or [d], broadcast). FedProx's anchor is the start row.
+        """
+        clients = np.asarray(clients, dtype=np.int64)
+        start = _broadcast_rows(start, len(clients), self.layout.dim)
+        with self._timed():
+            plans = self.plans(clients, cfg, rnd, purpose)
+            if self.kernel is not None and cfg.momentum == 0.0:
+                return self._train_kernel(plans, start, cfg, classifier_only)
+            return self._train_autograd(plans, start, cfg, classifier_only)
+
+    def _train_autograd(
+        self, plans: list[list[torch.Tensor]], start: torch.Tensor, cfg: LocalTraining,
+        classifier_only: bool,
+    ) -> TrainResult:
+        fed = self.federation
+        out = start.clone()
+        losses = torch.full((len(plans),), float("nan"))
+        steps = torch.zeros(len(plans), dtype=torch.int64)
+        head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
+        for i, plan in enumerate(plans):
+            w = start[i].clone()
+            anchor = start[i]
+            buf: torch.Tensor | None = None
+            total = 0.0
+            for idx in plan:
+                w.requires_grad_(True)
+                loss = F.cross_entropy(self.layout.forward(w, fed.x_train[idx]), fed.y_train[idx])
+                (grad,) = torch.autograd.grad(loss, w)
+                w = w.detach()
+                g = grad[head]
+                if cfg.mu > 0.0:
+                    g = g + cfg.mu * (w[head] - anchor[head])
+                if cfg.momentum > 0.0:
+                    buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
+                    g = buf
+                w[head] -= cfg.lr * g
+                total += float(loss.detach())
+            out[i] = w
+            steps[i] = len(plan)
+            if plan:
+                losses[i] = total / len(plan)
+        return TrainResult(out, losses, steps)
+
+    def _train_kernel(
+        self, plans: list[list[torch.Tensor]], start: torch.Tensor, cfg: LocalTraining,
+        classifier_only: bool,
+    ) -> TrainResult:
+        kernel = self.kernel
+        assert kernel is not None
+        n = len(plans)
+        out = start.clone()
+        losses = torch.full((n,), float("nan"))
+        steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
+        first = len(kernel.layers) - 1 if classifier_only else 0
+        # Clients with similar step counts share a group, so little work is padding.
+        order = np.argsort(-steps.numpy(), kind="stable")
+        for g0 in range(0, n, self.group_size):
+            members = order[g0 : g0 + self.group_size]
+            idx, weight = _stack_plans([plans[m] for m in members])
+            params = kernel.unpack(start[members])
+            anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
+            total = torch.zeros(len(members))
+            for s in range(idx.shape[1]):
+                active = weight[:, s, 0] > 0
+                total += kernel.sgd_step(
+                    params,
+                    self._x_flat[idx[:, s]],
+                    self.federation.y_train[idx[:, s]],
+                    weight[:, s],
+                    cfg.lr,
+                    first_trainable=first,
+                    mu=cfg.mu,
+                    anchors=anchors,
+                    active=active,
+                )
+            block = out[members]
+            kernel.pack(params, block)
+            out[members] = block
+            m_steps = steps[members]
+            losses[members] = torch.where(m_steps > 0, total / m_steps.clamp(min=1), losses[members])
+        return TrainResult(out, losses, steps)
+
+    # ------------------------------------------------------- losses and grads
+    def losses_and_grads(
+        self,
+        clients: np.ndarray,
+        models: torch.Tensor,
+        cfg: LocalTraining,
+        rnd: int,
+        purpose: str = "decide",
+        with_grads: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Loss [n, K] and gradient [n, K, d] of each of K models on one mini-batch per client.
+
+        The mini-batch is the first batch of the client's plan for ``purpose``
+        (JGL Sec. II-B: one mini-batch per decision). ``with_grads=False``
+        skips the backward pass (IFCA needs losses only).
+        """
+        clients = np.asarray(clients, dtype=np.int64)
+        k = models.shape[0]
+        one_batch = LocalTraining(lr=cfg.lr, batch_size=cfg.batch_size, steps=1)
+        with self._timed():
+            batches = [p[0] for p in self.plans(clients, one_batch, rnd, purpose)]
+            losses = torch.empty(len(clients), k)
+            grads = torch.empty(len(clients), k, self.layout.dim) if with_grads else None
+            for i, idx in enumerate(batches):
+                x, y = self.federation.x_train[idx], self.federation.y_train[idx]
+                if self.kernel is not None:
+                    xs = x.reshape(1, len(idx), -1).expand(k, -1, -1)
+                    ys = y.view(1, -1).expand(k, -1)
+                    weight = torch.full((k, len(idx)), 1.0 / len(idx))
+                    params = self.kernel.unpack(models)
+                    if with_grads:
+                        losses[i], grads[i] = self.kernel.loss_and_grad(params, xs, ys, weight)
+                    else:
+                        _, logits = self.kernel.forward(params, xs)
+                        losses[i] = self.kernel.loss_and_dlogits(logits, ys, weight)[0]
+                    continue
+                for j in range(k):
+                    w = models[j].clone().requires_grad_(with_grads)
+                    loss = F.cross_entropy(self.layout.forward(w, x), y)
+                    losses[i, j] = loss.detach()
+                    if with_grads:
+                        grads[i, j] = torch.autograd.grad(loss, w)[0]
+        return losses, grads
+
+    # --------------------------------------------------------------- evaluate
+    @torch.no_grad()
+    def evaluate(
+        self,
+        clients: np.ndarray,
+        rows: torch.Tensor,
+        model_of_client: np.ndarray,
+        split: str = "test",
+    ) -> EvalResult:
+        """Accuracy and loss of ``rows[model_of_client[i]]`` on client ``clients[i]``'s data."""
+        fed = self.federation
+        x_all, y_all = (fed.x_test, fed.y_test) if split == "test" else (fed.x_train, fed.y_train)
+        off = fed.test_offsets if split == "test" else fed.train_offsets
+        clients = np.asarray(clients, dtype=np.int64)
+        model_of_client = np.asarray(model_of_client, dtype=np.int64)
+        correct = np.zeros(len(clients), dtype=np.int64)
+        loss_sum = np.zeros(len(clients), dtype=np.float64)
+        count = (off[clients + 1] - off[clients]).astype(np.int64)
+        with self._timed():
+            for m in np.unique(model_of_client):
+                members = np.flatnonzero(model_of_client == m)
+                idx = torch.cat(
+                    [torch.arange(off[clients[i]], off[clients[i] + 1]) for i in members]
+                )
+                if len(idx) == 0:
+                    continue
+                owner = np.repeat(members, count[members])
+                for s in range(0, len(idx), 8192):
+                    part = idx[s : s + 8192]
+                    logits = self.layout.forward(rows[m], x_all[part])
+                    y = y_all[part]
+                    own = owner[s : s + 8192]
+                    hit = (logits.argmax(dim=1) == y).numpy()
+                    nll = F.cross_entropy(logits, y, reduction="none").double().numpy()
+                    np.add.at(correct, own, hit.astype(np.int64))
+                    np.add.at(loss_sum, own, nll)
+        return EvalResult(correct, count, loss_sum)
+
+
+def _broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if rows.dim() == 1:
+        rows = rows.unsqueeze(0).expand(n, -1)
+    if rows.shape != (n, dim):
+        raise ValueError(f"expected parameter rows of shape [{n}, {dim}], got {list(rows.shape)}")
+    return rows
+
+
+def _stack_plans(plans: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad plans to ``idx`` [G, S, B] and per-row weights 1/batch_size (0 = padding)."""
+    n_steps = max((len(p) for p in plans), default=0)
+    width = max((len(b) for p in plans for b in p), default=1)
+    idx = torch.zeros(len(plans), n_steps, width, dtype=torch.int64)
+    weight = torch.zeros(len(plans), n_steps, width)
+    for g, plan in enumerate(plans):
+        for s, batch in enumerate(plan):
+            idx[g, s, : len(batch)] = batch
+            weight[g, s, : len(batch)] = 1.0 / len(batch)
+    return idx, weight

@@ -1,0 +1,136 @@
+"""Model presets of the papers, and the hook for any user ``nn.Module``.
+
+- ``mlp``: JGL Fig. 3 MLP -- three fully connected layers with ReLU, hidden
+  sizes 512-128 for 28x28 inputs and 2048-512 for CIFAR-10 (3x32x32).
+  FedGroup's one-hidden-layer MLP is ``mlp`` with ``hidden=[128]``.
+- ``cnn``: JGL Fig. 3 CNN -- for 1-channel 28x28 inputs conv(32, 3x3) ->
+  conv(64, 3x3) -> maxpool 2 -> fc 128; for 3x32x32 inputs the LeNet-like
+  conv(6, 5x5) -> pool -> conv(16, 5x5) -> pool -> fc 120 -> fc 84.
+- ``lenet``: the LeNet-like CNN on any input size.
+- ``mclr``: multinomial logistic regression (FedGroup Table II, FedProx).
+- ``dnn``: a 2-layer fully connected network (one hidden layer, default 200).
+
+Any other model is an import path ``"package.module:factory"`` whose factory
+takes ``(input_shape, n_classes, **options)`` and returns an ``nn.Module``; in
+Python, pass the module itself to :class:`fedcluster.runner.Experiment`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from fedcluster.errors import ConfigError
+
+InputShape = tuple[int, ...]
+
+
+def _flat_size(shape: InputShape) -> int:
+    return math.prod(shape)
+
+
+def mlp(input_shape: InputShape, n_classes: int, hidden: Sequence[int] | None = None) -> nn.Module:
+    """JGL Fig. 3 MLP: Flatten -> [Linear -> ReLU]* -> Linear."""
+    if hidden is None:
+        hidden = [2048, 512] if _flat_size(input_shape) >= 3 * 32 * 32 else [512, 128]
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = _flat_size(input_shape)
+    for h in hidden:
+        layers += [nn.Linear(width, int(h)), nn.ReLU()]
+        width = int(h)
+    layers.append(nn.Linear(width, n_classes))
+    return nn.Sequential(*layers)
+
+
+def dnn(input_shape: InputShape, n_classes: int, hidden: int = 200) -> nn.Module:
+    """A 2-layer DNN (one hidden layer of ``hidden`` ReLU units)."""
+    return mlp(input_shape, n_classes, hidden=[hidden])
+
+
+def mclr(input_shape: InputShape, n_classes: int) -> nn.Module:
+    """Multinomial logistic regression: Flatten -> Linear (softmax in the loss)."""
+    return mlp(input_shape, n_classes, hidden=[])
+
+
+def lenet(input_shape: InputShape, n_classes: int) -> nn.Module:
+    """JGL Fig. 3 CIFAR-10 CNN (LeNet-like): conv 6@5x5, pool, conv 16@5x5, pool, 120, 84."""
+    channels, height, width = _image_shape(input_shape)
+    h, w = (height - 4) // 2, (width - 4) // 2
+    h, w = (h - 4) // 2, (w - 4) // 2
+    return nn.Sequential(
+        nn.Conv2d(channels, 6, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * h * w, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, n_classes),
+    )
+
+
+def cnn(input_shape: InputShape, n_classes: int) -> nn.Module:
+    """JGL Fig. 3 CNN: conv 32@3x3, conv 64@3x3, maxpool 2, fc 128 (LeNet for RGB 32x32)."""
+    channels, height, width = _image_shape(input_shape)
+    if channels == 3:
+        return lenet(input_shape, n_classes)
+    h, w = (height - 4) // 2, (width - 4) // 2
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, 3),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * h * w, 128),
+        nn.ReLU(),
+        nn.Linear(128, n_classes),
+    )
+
+
+def _image_shape(input_shape: InputShape) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ConfigError(
+            f"model: a convolutional model needs image inputs [C, H, W], got shape {input_shape}"
+        )
+    return input_shape[0], input_shape[1], input_shape[2]
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "lenet": lenet,
+    "mclr": mclr,
+    "dnn": dnn,
+}
+
+
+def build_model(name: str, input_shape: InputShape, n_classes: int, **options) -> nn.Module:
+    """Build a preset model by name, or a user model from ``"package.module:factory"``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"model.name: cannot import {name!r}: {exc}") from exc
+    elif name in MODELS:
+        factory = MODELS[name]
+    else:
+        allowed = ", ".join(sorted(MODELS))
+        raise ConfigError(
+            f"model.name: unknown model {name!r}; allowed: {allowed}, or 'package.module:factory'"
+        )
+    try:
+        model = factory(tuple(input_shape), n_classes, **options)
+    except TypeError as exc:
+        raise ConfigError(f"model: bad options {options} for {name!r}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name: {name!r} returned {type(model).__name__}, not an nn.Module")
+    return model
