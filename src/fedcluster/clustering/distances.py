@@ -1,0 +1,237 @@
+"""Pairwise similarities and distances between clients, all pairs at once.
+
+Every function takes one client per row (torch tensors [n, d], any floating
+dtype; NumPy arrays are accepted too), computes in **float64** and returns
+**float64** tensors on the input's device. Pairs come from Gram matrices
+(``X @ Y.T``) and batched ``torch.cdist``; there is no Python loop over pairs.
+Points are centred before a Gram expansion of squared distances, so that
+models with large norms but small differences keep their precision.
+
+Square results are exactly symmetric; distance matrices have exact zeros on
+the diagonal.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+from fedcluster.clustering._inputs import ArrayLike, as_rows
+from fedcluster.errors import ConfigError
+
+DcflVariant = Literal["complete", "divergence", "cosine", "euclidean"]
+DCFL_VARIANTS: tuple[str, ...] = get_args(DcflVariant)
+
+
+def _check_same_width(x: torch.Tensor, y: torch.Tensor, names: str) -> None:
+    if x.shape[1] != y.shape[1]:
+        raise ConfigError(f"{names}: row lengths differ ({x.shape[1]} vs {y.shape[1]})")
+
+
+def _symmetric(m: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (m + m.T)
+
+
+def _distance_matrix(d: torch.Tensor) -> torch.Tensor:
+    """Symmetrise a pairwise distance matrix and put exact zeros on its diagonal."""
+    d = _symmetric(d)
+    d.fill_diagonal_(0.0)
+    return d
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit norm; all-zero rows stay zero (their cosines are 0)."""
+    return x / x.norm(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def _centred_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``y`` shifted by the same vector (the mean of ``x``'s rows)."""
+    shift = x.mean(dim=0)
+    return x - shift, y - shift
+
+
+def _sq_distances_to(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``|x_i - y_j|^2`` [n, m] by Gram expansion (pass centred rows), tiny negatives clamped."""
+    sq = (x * x).sum(1)[:, None] + (y * y).sum(1)[None, :] - 2.0 * (x @ y.T)
+    return sq.clamp_min(0.0)
+
+
+def cosine_to(u: ArrayLike, v: ArrayLike) -> torch.Tensor:
+    """Cosine similarities ``cos(u_i, v_j)`` [n, m] between the rows of ``u`` and ``v``.
+
+    FedGroup eq. 5 / eq. 6 (kernel ``K(U, V)``). A zero row has cosine 0 with
+    everything. Float64, clamped to [-1, 1].
+    """
+    u_rows, v_rows = as_rows(u, "u"), as_rows(v, "v")
+    _check_same_width(u_rows, v_rows, "u, v")
+    return (_unit_rows(u_rows) @ _unit_rows(v_rows).T).clamp(-1.0, 1.0)
+
+
+def cosine_similarity_matrix(u: ArrayLike) -> torch.Tensor:
+    """Pairwise cosine similarities [n, n] of the rows of ``u`` (FedGroup eq. 6, Sattler's CFL).
+
+    Float64, symmetric, in [-1, 1]; the diagonal is 1 up to rounding (0 for a
+    zero row).
+    """
+    return _symmetric(cosine_to(u, u))
+
+
+def euclidean_distance_matrix(x: ArrayLike) -> torch.Tensor:
+    """Pairwise euclidean distances [n, n] between the rows of ``x``.
+
+    Gram expansion ``|x_i|^2 + |x_j|^2 - 2<x_i, x_j>`` in float64 on centred
+    rows; tiny negatives are clamped before the square root; the diagonal is
+    exactly 0.
+    """
+    rows = as_rows(x, "x")
+    centred, _ = _centred_pair(rows, rows)
+    return _distance_matrix(_sq_distances_to(centred, centred).sqrt())
+
+
+def _dcfl_to(
+    origins_a: ArrayLike,
+    ends_a: ArrayLike,
+    origins_b: ArrayLike,
+    ends_b: ArrayLike,
+    variant: DcflVariant,
+) -> torch.Tensor:
+    """DCFL distances [n, m] from the update vectors of ``a`` to those of ``b`` (see below)."""
+    if variant not in DCFL_VARIANTS:
+        raise ConfigError(f"variant: expected one of {DCFL_VARIANTS}, got {variant!r}")
+    oa, ea = as_rows(origins_a, "origins_a"), as_rows(ends_a, "ends_a")
+    ob, eb = as_rows(origins_b, "origins_b"), as_rows(ends_b, "ends_b")
+    if oa.shape != ea.shape or ob.shape != eb.shape:
+        raise ConfigError(
+            f"origins, ends: shapes differ ({tuple(oa.shape)} vs {tuple(ea.shape)}, "
+            f"{tuple(ob.shape)} vs {tuple(eb.shape)})"
+        )
+    _check_same_width(ea, eb, "ends_a, ends_b")
+    ua, ub = ea - oa, eb - ob
+    if variant == "cosine":
+        return 1.0 - cosine_to(ua, ub)
+    ea, eb = _centred_pair(ea, eb)
+    end_dist = _sq_distances_to(ea, eb).sqrt()
+    if variant == "euclidean":
+        return end_dist
+    # <u_i - u'_j, B_i - D_j> expanded into Gram terms.
+    inner = (ua * ea).sum(1)[:, None] + (ub * eb).sum(1)[None, :] - ua @ eb.T - ea @ ub.T
+    denom = end_dist * (ua.norm(dim=1)[:, None] + ub.norm(dim=1)[None, :])
+    safe = denom > 0
+    omega = torch.where(safe, inner / torch.where(safe, denom, 1.0), 0.0).clamp(-1.0, 1.0)
+    scale = torch.exp(2.0 * omega)
+    return scale if variant == "divergence" else end_dist * scale
+
+
+def dcfl_distance_matrix(
+    origins: ArrayLike, ends: ArrayLike, *, variant: DcflVariant = "complete"
+) -> torch.Tensor:
+    """DCFL's distance between all pairs of client update vectors [n, n] (DCFL eqs. 1-2).
+
+    Client ``i``'s update runs from ``origins[i]`` (model received, A) to
+    ``ends[i]`` (model after local training, B); ``u = B - A``. For two updates
+    AB and CD, eq. 1's divergence
+    ``omega = (|AB| cos(alpha) + |CD| cos(beta)) / (|AB| + |CD|)``, with
+    ``alpha`` the angle between AB and D->B and ``beta`` the angle between CD and
+    B->D, equals ``<u - u', B - D> / (|B - D| (|u| + |u'|))`` (``|AB| cos(alpha)``
+    is the projection of AB on the unit vector D->B). Eq. 2:
+    ``d = |BD| exp(2 omega)``; ``d = 0`` when the end points coincide (there,
+    and when both updates are zero, ``omega`` is taken as 0).
+
+    ``variant`` selects the distance of DCFL's Table II ablation:
+
+    * ``"complete"``: eq. 2, ``|BD| exp(2 omega)``.
+    * ``"divergence"``: the divergence alone, ``exp(2 omega)`` -- eq. 2 without
+      the end-point distance ``|BD|`` (the text: it "does not depend at all from
+      the actual distance of the update vectors, only their direction"); the
+      exponential keeps it positive and monotone in ``omega``.
+    * ``"cosine"``: cosine distance ``1 - cos(u, u')`` of the update vectors.
+    * ``"euclidean"``: ``|BD|``, the euclidean distance between the models
+      after training (the text: distances between clusters grow as training
+      goes on, i.e. distances between models, not between updates).
+
+    Float64 [n, n], symmetric, zero diagonal.
+    """
+    return _distance_matrix(_dcfl_to(origins, ends, origins, ends, variant))
+
+
+def dcfl_distance_to(
+    origins_a: ArrayLike,
+    ends_a: ArrayLike,
+    origins_b: ArrayLike,
+    ends_b: ArrayLike,
+    *,
+    variant: DcflVariant = "complete",
+) -> torch.Tensor:
+    """DCFL distances [n, m] from updates ``a`` (e.g. newcomers) to updates ``b`` (DCFL eq. 6).
+
+    For newcomer assignment, ``a`` is the newcomer's update from the average
+    model W_G and ``b`` holds the vectors W_G -> W_Ck of the clusters; the
+    newcomer joins ``argmin`` over its row. Same formula and variants as
+    :func:`dcfl_distance_matrix`. Float64.
+    """
+    return _dcfl_to(origins_a, ends_a, origins_b, ends_b, variant)
+
+
+def svd_directions(updates: ArrayLike, n_directions: int) -> torch.Tensor:
+    """The top-``m`` SVD directions V [m, d] of the updates, in parameter space (FedGroup eq. 8).
+
+    ``V = SVD(dW^T, m)``: the top-``m`` right singular vectors of ``dW`` [n, d]
+    (left singular vectors of ``dW^T``), unit rows, uncentred (as truncated
+    SVD). Each direction's sign is arbitrary; EDC does not depend on it.
+    """
+    rows = as_rows(updates, "updates")
+    if not 1 <= n_directions <= min(rows.shape):
+        raise ConfigError(
+            f"n_directions: expected 1..{min(rows.shape)} for updates of shape "
+            f"{tuple(rows.shape)}, got {n_directions}"
+        )
+    return torch.linalg.svd(rows, full_matrices=False).Vh[:n_directions]
+
+
+def edc_matrix(updates: ArrayLike, n_directions: int) -> torch.Tensor:
+    """FedGroup's EDC [n, n]: euclidean distance of decomposed cosine similarity (eq. 8).
+
+    ``EDC(i, j) = |K(dw_i, V^T) - K(dw_j, V^T)| / m`` with V the ``m`` SVD
+    directions of :func:`svd_directions` and ``K`` the cosine kernel. FedGroup
+    runs K-Means++ on the embedding ``cosine_to(updates, V)`` [n, m] itself
+    (Alg. 3, line 14), whose euclidean distances are ``m * EDC``.
+    Float64, symmetric, zero diagonal.
+    """
+    embedding = cosine_to(updates, svd_directions(updates, n_directions))
+    return euclidean_distance_matrix(embedding) / n_directions
+
+
+def madc_matrix(updates: ArrayLike) -> torch.Tensor:
+    """FedGroup's MADC [n, n]: mean absolute difference of cosine similarities (eq. 7).
+
+    ``MADC(i, j) = 1/(n - 2) * sum_{z != i, j} |S(i, z) - S(j, z)|``, S the
+    cosine similarity matrix. Computed as the L1 distance between rows of S
+    (``torch.cdist``, p=1) minus the two excluded terms ``z = i`` and ``z = j``.
+    Needs ``n >= 3``. Float64, symmetric, zero diagonal.
+    """
+    sim = cosine_similarity_matrix(updates)
+    n = sim.shape[0]
+    if n < 3:
+        raise ConfigError(f"updates: MADC needs at least 3 clients, got {n}")
+    excluded = (sim.diagonal()[:, None] - sim).abs()  # [i, j] = |S(i, i) - S(i, j)|
+    total = torch.cdist(sim, sim, p=1.0) - excluded - excluded.T
+    return _distance_matrix(total.clamp_min(0.0) / (n - 2))
+
+
+def trajectory_distance_matrix(trajectories: ArrayLike) -> torch.Tensor:
+    """CFLGT's distance [n, n] between gradient trajectories (Sec. IV, Alg. 1 line 11).
+
+    ``trajectories`` [n, C, 2] holds each client's C points (Z1'_c, Z2'_c); the
+    distance of two clients is the mean over the C classes of the L2 distance
+    between corresponding points. Any point dimension is accepted. Float64,
+    symmetric, zero diagonal.
+    """
+    t = torch.as_tensor(trajectories)
+    if t.ndim != 3 or t.shape[0] == 0 or t.shape[1] == 0:
+        raise ConfigError(
+            f"trajectories: expected a non-empty 3-D tensor [n, C, 2], got {tuple(t.shape)}"
+        )
+    per_class = t.to(torch.float64).transpose(0, 1)  # [C, n, 2]
+    dist = torch.cdist(per_class, per_class, compute_mode="donot_use_mm_for_euclid_dist")
+    return _distance_matrix(dist.mean(dim=0))
