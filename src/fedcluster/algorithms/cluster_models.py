@@ -32,8 +32,11 @@ class ClusterModelParams(AlgorithmParams):
         "random", description="independent random initial models, or K copies of one"
     )
     min_cluster_share: float = Field(
-        0.0, ge=0.0, lt=1.0, description="IFCA good initializer: re-draw until each cluster "
-        "holds this share of clients (0 = off)"
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="IFCA good initializer: re-draw until each cluster "
+        "holds this share of clients (0 = off)",
     )
     max_redraws: int = Field(50, ge=1)
     weighting: Literal["uniform", "samples"] = Field(
@@ -82,7 +85,9 @@ class ClusterModelAlgorithm(Algorithm):
                 return models
         log.warning(
             "%s: no initial models gave every cluster %d clients in %d draws; using the last",
-            self.name, need, p.max_redraws,
+            self.name,
+            need,
+            p.max_redraws,
         )
         return models
 

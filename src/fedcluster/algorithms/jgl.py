@@ -70,9 +70,7 @@ def jgl_scores(
     return lam * sim + (1.0 - lam) * (-loss)
 
 
-def fix_empty_clusters(
-    choice: np.ndarray, n_clusters: int, rng: np.random.Generator
-) -> np.ndarray:
+def fix_empty_clusters(choice: np.ndarray, n_clusters: int, rng: np.random.Generator) -> np.ndarray:
     """Sec. II-C: give each empty cluster one random device from a cluster that can spare one."""
     choice = choice.copy()
     for k in range(n_clusters):

@@ -89,7 +89,9 @@ class MLPKernel:
             out[:, lay.weight] = w.reshape(g, -1)
             out[:, lay.bias] = b
 
-    def forward(self, params: LayerParams, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def forward(
+        self, params: LayerParams, x: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Inputs of every layer and the logits, for inputs ``x`` [G, B, in]."""
         acts = [x]
         h = x

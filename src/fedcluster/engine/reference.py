@@ -45,7 +45,9 @@ def reference_train(
             opt.zero_grad()
             loss = F.cross_entropy(local(x[idx]), y[idx])
             if cfg.mu > 0.0:
-                prox = sum(((p - a) ** 2).sum() for p, a in zip(local.parameters(), anchor))
+                prox = sum(
+                    ((p - a) ** 2).sum() for p, a in zip(local.parameters(), anchor, strict=True)
+                )
                 loss = loss + 0.5 * cfg.mu * prox
             loss.backward()
             opt.step()

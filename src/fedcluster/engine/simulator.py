@@ -92,7 +92,10 @@ class Simulator:
         sizes = self.federation.train_sizes
         offsets = self.federation.train_offsets
         return [
-            [b + int(offsets[c]) for b in batch_plan(int(sizes[c]), cfg, self.seed, purpose, rnd, c)]
+            [
+                b + int(offsets[c])
+                for b in batch_plan(int(sizes[c]), cfg, self.seed, purpose, rnd, c)
+            ]
             for c in clients
         ]
 
@@ -119,7 +122,10 @@ class Simulator:
             return self._train_autograd(plans, start, cfg, classifier_only)
 
     def _train_autograd(
-        self, plans: list[list[torch.Tensor]], start: torch.Tensor, cfg: LocalTraining,
+        self,
+        plans: list[list[torch.Tensor]],
+        start: torch.Tensor,
+        cfg: LocalTraining,
         classifier_only: bool,
     ) -> TrainResult:
         fed = self.federation
@@ -152,7 +158,10 @@ class Simulator:
         return TrainResult(out, losses, steps)
 
     def _train_kernel(
-        self, plans: list[list[torch.Tensor]], start: torch.Tensor, cfg: LocalTraining,
+        self,
+        plans: list[list[torch.Tensor]],
+        start: torch.Tensor,
+        cfg: LocalTraining,
         classifier_only: bool,
     ) -> TrainResult:
         kernel = self.kernel
@@ -187,7 +196,9 @@ class Simulator:
             kernel.pack(params, block)
             out[members] = block
             m_steps = steps[members]
-            losses[members] = torch.where(m_steps > 0, total / m_steps.clamp(min=1), losses[members])
+            losses[members] = torch.where(
+                m_steps > 0, total / m_steps.clamp(min=1), losses[members]
+            )
         return TrainResult(out, losses, steps)
 
     # ------------------------------------------------------- losses and grads

@@ -1,0 +1,151 @@
+"""Command-line interface: ``fedcluster run | compare | resume | list``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from fedcluster import __version__
+from fedcluster.errors import FedclusterError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="experiment YAML (default: the quickstart preset)")
+    p.add_argument("--preset", help="start from a named preset (see `fedcluster list`)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.lr=0.1 (repeatable)",
+    )
+    p.add_argument("--rounds", type=int, help="communication rounds")
+    p.add_argument("--data-dir", help="dataset root (default $FEDCLUSTER_DATA or the user cache)")
+    p.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedcluster",
+        description="Clustered federated learning: JGL, CFLGT, DCFL, FedGroup and baselines.",
+    )
+    parser.add_argument("--version", action="version", version=f"fedcluster {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="run an experiment and write its run directory")
+    _common(run)
+    run.add_argument("--seed", type=int, help="random seed")
+
+    compare = sub.add_parser("compare", help="run several algorithms on the same federation")
+    _common(compare)
+    compare.add_argument(
+        "--algorithms", required=True, help="comma-separated algorithm names, e.g. jgl,ifca,fedavg"
+    )
+    compare.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
+
+    res = sub.add_parser("resume", help="continue a killed run from its checkpoints")
+    res.add_argument("dir", help="run directory")
+    res.add_argument("--quiet", action="store_true")
+
+    sub.add_parser("list", help="show algorithms, datasets, partitions, models and presets")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    over: dict = {}
+    if args.rounds is not None:
+        over["rounds"] = args.rounds
+    if args.data_dir is not None:
+        over["data"] = {"data_dir": args.data_dir}
+    if getattr(args, "seed", None) is not None:
+        over["seeds"] = [args.seed]
+    if getattr(args, "seeds", None) is not None and args.command == "compare":
+        over["seeds"] = list(range(args.seeds))
+    if getattr(args, "algorithms", None):
+        over["algorithms"] = [{"name": n.strip()} for n in args.algorithms.split(",") if n.strip()]
+    return over
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fedcluster.config import resolve_config
+    from fedcluster.runner import Experiment
+
+    config = resolve_config(args.config, args.preset, args.sets, _overrides(args))
+    out = Path(args.out or f"runs/{config.name}-{datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and any(out.iterdir()):
+        raise FedclusterError(f"run directory {out} is not empty; choose another --out")
+    print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
+    Experiment(config).run(out, progress=not args.quiet)
+    _print_summary(out)
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from fedcluster.runner import resume
+
+    if not (Path(args.dir) / "config.yaml").exists():
+        raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
+    resume(args.dir, progress=not args.quiet)
+    _print_summary(Path(args.dir))
+    return 0
+
+
+def _print_summary(out: Path) -> None:
+    from fedcluster.report import format_table, summary_rows
+
+    summary = json.loads((out / "summary.json").read_text())
+    print()
+    print(format_table(summary_rows(summary["jobs"])))
+    print(f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}")
+
+
+def _list() -> int:
+    from fedcluster.algorithms import ALGORITHMS
+    from fedcluster.config import list_presets
+    from fedcluster.data.partitions import PARTITIONS
+    from fedcluster.data.sources import list_datasets
+    from fedcluster.models import MODELS
+
+    sections = {
+        "algorithms": sorted(ALGORITHMS),
+        "datasets": list_datasets(),
+        "partitions": sorted(PARTITIONS),
+        "models": sorted(MODELS),
+        "presets": list_presets(),
+    }
+    for title, names in sections.items():
+        print(f"{title}: {', '.join(names)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    if not argv:
+        argv = ["run"]
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "compare":
+            return _run(args)
+        if args.command == "resume":
+            return _resume(args)
+        if args.command == "list":
+            return _list()
+        parser.print_help()
+        return 2
+    except FedclusterError as exc:
+        print(f"fedcluster: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

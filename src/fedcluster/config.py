@@ -1,0 +1,261 @@
+"""The validated experiment schema, presets and ``--set`` overrides.
+
+A config is YAML (or a dict) validated by pydantic models that forbid unknown
+keys; every error is re-raised as :class:`~fedcluster.errors.ConfigError`
+naming the dotted field, what was given and what is allowed. Precedence, low
+to high: built-in defaults < preset < config file < ``--set key=value`` <
+command-line flags (``--rounds``, ``--seed``, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedcluster.algorithms import ALGORITHMS
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.errors import ConfigError
+
+DEFAULT_PRESET = "quickstart"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    dataset: str = "mnist5k"
+    options: dict[str, Any] = Field(default_factory=dict)
+    data_dir: str | None = None
+    download: bool = False
+    partition: dict[str, Any] = Field(default_factory=lambda: {"name": "iid", "n_clients": 20})
+
+    @model_validator(mode="after")
+    def _partition_named(self) -> DataConfig:
+        if "name" not in self.partition:
+            raise ValueError("partition needs a 'name' (see `fedcluster list`)")
+        return self
+
+
+class ModelConfig(_Strict):
+    name: str = "mlp"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(_Strict):
+    lr: float = Field(0.05, gt=0.0)
+    batch_size: int = Field(32, ge=1)
+    epochs: int = Field(1, ge=1)
+    steps: int | None = Field(None, ge=1, description="fixed local steps (overrides epochs)")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+
+    def local(self) -> LocalTraining:
+        return LocalTraining(**self.model_dump())
+
+
+class ParticipationConfig(_Strict):
+    fraction: float | None = Field(None, gt=0.0, le=1.0)
+    count: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ParticipationConfig:
+        if self.fraction is not None and self.count is not None:
+            raise ValueError("give either fraction or count, not both")
+        return self
+
+
+class AlgorithmSpec(_Strict):
+    name: str
+    label: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known(self) -> AlgorithmSpec:
+        if self.name not in ALGORITHMS:
+            allowed = ", ".join(sorted(ALGORITHMS))
+            raise ValueError(f"unknown algorithm {self.name!r}; allowed: {allowed}")
+        try:
+            ALGORITHMS[self.name].Params(**self.params)
+        except ValidationError as exc:
+            raise ValueError(
+                f"{self.name} " + "; ".join(_describe(e, "params") for e in exc.errors())
+            ) from None
+        return self
+
+    def build_params(self):
+        return ALGORITHMS[self.name].Params(**self.params)
+
+    def display_name(self) -> str:
+        if self.label:
+            return self.label
+        if not self.params:
+            return self.name
+        inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.name}({inner})"
+
+
+class ExperimentConfig(_Strict):
+    name: str = "experiment"
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    rounds: int = Field(20, ge=1)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
+    algorithms: list[AlgorithmSpec] = Field(
+        default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
+    )
+    eval_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(5, ge=1)
+    group_size: int = Field(4, ge=1, description="clients trained together by the MLP kernel")
+
+    @model_validator(mode="after")
+    def _unique_labels(self) -> ExperimentConfig:
+        names = [a.display_name() for a in self.algorithms]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"algorithms: duplicate entries {dupes}; give each a distinct label")
+        return self
+
+
+def _describe(err: dict, prefix: str = "") -> str:
+    loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+    if err["type"] == "extra_forbidden":
+        return f"field '{loc}': unknown key"
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    return f"field '{loc}': {err['msg']}{shown}"
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys allowed at the parent of ``loc`` in the schema (for unknown-key errors)."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
+        if field is None:
+            continue
+        ann = field.annotation
+        inner = getattr(ann, "__args__", (ann,))
+        nested = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nested is None:
+            return []
+        model = nested
+    return list(model.model_fields)
+
+
+def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate a raw config dict; raise ConfigError naming every bad field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping of fields, got {type(raw).__name__}")
+    try:
+        return ExperimentConfig(**raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            text = _describe(err)
+            if err["type"] == "extra_forbidden":
+                allowed = _allowed_keys(ExperimentConfig, err["loc"])
+                if allowed:
+                    text += f"; allowed: {', '.join(allowed)}"
+            lines.append(text)
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def list_presets() -> list[str]:
+    files = resources.files("fedcluster.presets").iterdir()
+    return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = resources.files("fedcluster.presets") / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping of fields")
+    return data
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``; nested mappings merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def apply_set(raw: dict[str, Any], assignment: str) -> dict[str, Any]:
+    """Apply one ``dotted.key=value`` override (value parsed as YAML; list items by index)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value")
+    key, _, text = assignment.partition("=")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML: {exc}") from None
+    out = copy.deepcopy(raw)
+    node: Any = out
+    parts = key.strip().split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(
+                    f"--set {key}: '{part}' is not an index of a {len(node)}-item list"
+                )
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"--set {key}: '{'.'.join(parts[:i])}' is not a mapping or list")
+    return out
+
+
+def resolve_config(
+    config_path: str | Path | None = None,
+    preset: str | None = None,
+    sets: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> ExperimentConfig:
+    """Merge preset, config file, ``--set`` assignments and flag overrides, then validate."""
+    raw: dict[str, Any] = {}
+    if preset is None and config_path is None:
+        preset = DEFAULT_PRESET
+    if preset is not None:
+        raw = load_preset(preset)
+    if config_path is not None:
+        raw = deep_merge(raw, load_yaml(config_path))
+    for assignment in sets or []:
+        raw = apply_set(raw, assignment)
+    raw = deep_merge(raw, overrides or {})
+    return validate_config(raw)
+
+
+def dump_config(config: ExperimentConfig) -> str:
+    """The fully resolved config as YAML (what ``config.yaml`` of a run directory holds)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

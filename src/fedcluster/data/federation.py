@@ -1,0 +1,115 @@
+"""Packed federation data (DESIGN principle 3: client data is packed).
+
+All clients' samples of a split live in one tensor, client ``i`` owning rows
+``offsets[i]:offsets[i+1]``; a mini-batch is a gather by index. Per-client
+transforms of the partition (rotation, relabelling) are applied once here, so
+the training loop never touches Python objects per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from fedcluster.data.transforms import rotate_images
+
+if TYPE_CHECKING:
+    from fedcluster.data.partitions import Partition
+    from fedcluster.data.sources import Dataset
+
+
+@dataclass
+class Federation:
+    """The packed train and test data of every client, plus ground truth."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    train_offsets: np.ndarray
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    test_offsets: np.ndarray
+    n_classes: int
+    groups: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for split, x, y, off in (
+            ("train", self.x_train, self.y_train, self.train_offsets),
+            ("test", self.x_test, self.y_test, self.test_offsets),
+        ):
+            if len(x) != len(y) or int(off[-1]) != len(y) or int(off[0]) != 0:
+                raise ValueError(f"federation {split} split: offsets do not match {len(y)} samples")
+            if np.any(np.diff(off) < 0):
+                raise ValueError(f"federation {split} split: offsets must be non-decreasing")
+        if len(self.train_offsets) != len(self.test_offsets):
+            raise ValueError("federation: train and test splits have different client counts")
+        if self.groups is not None and len(self.groups) != self.n_clients:
+            raise ValueError("federation: groups must have one entry per client")
+
+    @property
+    def n_clients(self) -> int:
+        return len(self.train_offsets) - 1
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def train_sizes(self) -> np.ndarray:
+        return np.diff(self.train_offsets)
+
+    @property
+    def test_sizes(self) -> np.ndarray:
+        return np.diff(self.test_offsets)
+
+    def client_slice(self, client: int, split: str = "train") -> slice:
+        off = self.train_offsets if split == "train" else self.test_offsets
+        return slice(int(off[client]), int(off[client + 1]))
+
+    @classmethod
+    def from_clients(
+        cls,
+        train: list[tuple[torch.Tensor, torch.Tensor]],
+        test: list[tuple[torch.Tensor, torch.Tensor]],
+        n_classes: int,
+        groups: np.ndarray | None = None,
+    ) -> Federation:
+        """Pack per-client ``(x, y)`` tensors (e.g. a user's own data) into a federation."""
+        x_tr, y_tr, off_tr = _pack(train)
+        x_te, y_te, off_te = _pack(test)
+        return cls(x_tr, y_tr, off_tr, x_te, y_te, off_te, n_classes, groups)
+
+
+def _pack(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    sizes = [len(y) for _, y in parts]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    x = torch.cat([x.to(torch.float32) for x, _ in parts]).contiguous()
+    y = torch.cat([y.to(torch.int64) for _, y in parts]).contiguous()
+    return x, y, offsets
+
+
+def build_federation(dataset: Dataset, partition: Partition) -> Federation:
+    """Gather each client's samples, rotate and relabel them as the partition says, and pack."""
+    test_split = dataset.train if partition.test_pool == "train" else dataset.test
+    if test_split is None:
+        raise ValueError(f"dataset {dataset.name!r} has no test split; partition needs one")
+    n_classes = len(dataset.classes)
+    if partition.label_maps is not None:
+        n_classes = int(partition.label_maps.max()) + 1
+
+    def client_data(split, indices, client):
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        x, y = split.x[idx], split.y[idx]
+        if partition.rotations is not None and partition.rotations[client] % 360 != 0:
+            x = rotate_images(x, float(partition.rotations[client]))
+        if partition.label_maps is not None:
+            y = torch.as_tensor(partition.label_maps[client])[y]
+        return x, y
+
+    train = [client_data(dataset.train, ix, c) for c, ix in enumerate(partition.train)]
+    test = [client_data(test_split, ix, c) for c, ix in enumerate(partition.test)]
+    return Federation.from_clients(train, test, n_classes, partition.groups)

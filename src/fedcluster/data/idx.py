@@ -1,0 +1,122 @@
+"""Readers for IDX files (MNIST, Fashion-MNIST, EMNIST), raw or gzip-compressed.
+
+An IDX file is a 4-byte magic number -- two zero bytes, a type code and the
+number of dimensions -- then one big-endian ``uint32`` per dimension, then the
+values in C order. Every check failure raises :class:`~fedcluster.errors.DataError`
+with the file path and what is wrong.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from fedcluster.errors import DataError
+
+# IDX type code -> big-endian NumPy dtype.
+_IDX_DTYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def find_idx_file(folder: Path, name: str) -> Path | None:
+    """The path of ``name`` or else ``name.gz`` in ``folder``; None if neither exists."""
+    for candidate in (folder / name, folder / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's content, gunzipped if it is gzip data (whatever its name)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the file ({exc.strerror or exc})") from exc
+    if raw[:2] != _GZIP_MAGIC:
+        if path.suffix == ".gz":
+            raise DataError(f"{path}: not a valid gzip file (starts with 0x{raw[:4].hex()})")
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a valid gzip file or truncated ({exc})") from exc
+
+
+def read_idx(path: Path, ndim: int) -> np.ndarray:
+    """Read an IDX file with ``ndim`` dimensions into a native-endian array.
+
+    Raises:
+        DataError: the file is missing, not valid gzip, has a wrong magic number or
+            number of dimensions, or its payload size disagrees with its header.
+    """
+    data = _read_bytes(path)
+    if len(data) < 4:
+        raise DataError(f"{path}: {len(data)} bytes, too short for an IDX header")
+    zero1, zero2, code, file_ndim = data[:4]
+    if zero1 != 0 or zero2 != 0 or code not in _IDX_DTYPES:
+        raise DataError(
+            f"{path}: wrong magic number 0x{data[:4].hex()} (an IDX file starts with "
+            "0x0000, a type code such as 0x08 for uint8 and the number of dimensions)"
+        )
+    if file_ndim != ndim:
+        raise DataError(
+            f"{path}: magic number 0x{data[:4].hex()} says {file_ndim} dimension(s), "
+            f"expected {ndim}"
+        )
+    header_len = 4 + 4 * ndim
+    if len(data) < header_len:
+        raise DataError(f"{path}: truncated header ({len(data)} bytes, need {header_len})")
+    shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    dtype = _IDX_DTYPES[code]
+    expected = math.prod(shape) * dtype.itemsize
+    payload = len(data) - header_len
+    if payload != expected:
+        what = (
+            f"{shape[0]} images of {'x'.join(map(str, shape[1:]))}"
+            if ndim == 3
+            else f"shape {shape}"
+        )
+        raise DataError(
+            f"{path}: header says {what} ({expected} bytes) but the file holds "
+            f"{payload} bytes of data"
+        )
+    array = np.frombuffer(data, dtype=dtype, offset=header_len).reshape(shape)
+    return array.astype(dtype.newbyteorder("="), copy=False)
+
+
+def read_images_and_labels(
+    images_path: Path, labels_path: Path, n_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Read an image file ``[N, H, W]`` (uint8) and its label file ``[N]`` (int64).
+
+    Raises:
+        DataError: either file is invalid (see :func:`read_idx`), the images are
+            not uint8, the counts differ, or a label is outside ``0..n_classes-1``.
+    """
+    images = read_idx(images_path, ndim=3)
+    if images.dtype != np.uint8:
+        raise DataError(f"{images_path}: pixels are {images.dtype}, expected uint8")
+    labels = read_idx(labels_path, ndim=1).astype(np.int64)
+    if len(labels) != len(images):
+        raise DataError(
+            f"{labels_path}: {len(labels)} labels but {images_path.name} holds {len(images)} images"
+        )
+    if len(labels) and (labels.min() < 0 or labels.max() >= n_classes):
+        raise DataError(
+            f"{labels_path}: labels range {labels.min()}..{labels.max()}, expected "
+            f"0..{n_classes - 1}"
+        )
+    return images, labels

@@ -1,0 +1,100 @@
+"""CFLGT's client computation: the gradient trajectory (cflgt-gradient-trajectory.md, Sec. III).
+
+The model is split into a feature extractor (everything before the last
+linear layer, :meth:`~fedcluster.engine.flat.ParamLayout.classifier_range`)
+and the classifier. With features ``v_i`` (the input of the last
+``nn.Linear``) and softmax outputs ``P``, the cross-entropy gradient of class
+``c``'s classifier weights splits into (eq. 6)
+
+- the pulling force ``Z1_c = Σ_{y_i = c} (1 − P_{i,c}) v_i`` and
+- the pushing force ``Z2_c = Σ_{y_i ≠ c} P_{i,c} v_i``,
+
+and eq. 8 averages each d-dim vector to a scalar, giving the client's C
+points ``(Z1'_c, Z2'_c)``: 2·C floats uploaded. Averaging is linear, so
+``avg(Σ_i a_i v_i) = Σ_i a_i avg(v_i)``: each sample contributes its
+coefficient times the mean of its features, and one forward pass suffices
+(Sec. IV-D). A class the client does not hold has ``Z1' = 0`` exactly.
+
+``normalise`` divides both forces by the client's sample count. The paper
+sums over samples; then a client with twice the data has a trajectory twice
+as far from the origin, and affinity propagation splits clients by data size
+instead of by distribution.
+
+All requested clients share one model row, so their samples are processed in
+one batched forward pass (in chunks of ``chunk_size`` samples) and summed per
+client with ``index_add_``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcluster.engine.simulator import Simulator
+from fedcluster.errors import ConfigError
+
+
+def classifier_layer(sim: Simulator) -> nn.Linear:
+    """The classifier: the ``nn.Linear`` owning :meth:`ParamLayout.classifier_range`."""
+    start = sim.layout.classifier_range().start
+    name = next(s.name for s in sim.layout.slots if s.start == start)
+    module = sim.model.get_submodule(name.rpartition(".")[0])
+    if not isinstance(module, nn.Linear):
+        raise ConfigError(
+            f"model: CFLGT needs the last layer with parameters to be nn.Linear (the classifier), "
+            f"got {type(module).__name__}"
+        )
+    return module
+
+
+def _sample_rows(offsets: np.ndarray, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global row indices of the clients' training samples and the position of each row's owner."""
+    counts = offsets[clients + 1] - offsets[clients]
+    total = int(counts.sum())
+    first_of_owner = np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.repeat(offsets[clients], counts) + np.arange(total) - first_of_owner
+    owner = np.repeat(np.arange(len(clients)), counts)
+    return torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(owner, dtype=torch.int64)
+
+
+@torch.no_grad()
+def gradient_trajectories(
+    sim: Simulator,
+    clients: np.ndarray,
+    row: torch.Tensor,
+    normalise: bool = True,
+    chunk_size: int = 8192,
+) -> torch.Tensor:
+    """Each client's gradient trajectory [n, C, 2] under the model ``row`` (eqs. 6-8).
+
+    ``[..., 0]`` is the averaged pulling force Z1'_c, ``[..., 1]`` the averaged
+    pushing force Z2'_c, computed on the client's whole training set with a
+    forward pass only; divided by the client's sample count if ``normalise``.
+    Accumulated in float64, returned as float32 (what is uploaded).
+    """
+    clients = np.asarray(clients, dtype=np.int64)
+    fed = sim.federation
+    head = classifier_layer(sim)
+    n_classes = head.out_features
+    out = torch.zeros(len(clients), n_classes, 2, dtype=torch.float64)
+    rows, owner = _sample_rows(fed.train_offsets, clients)
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
+    try:
+        with sim._timed():
+            for s in range(0, len(rows), chunk_size):
+                part = rows[s : s + chunk_size]
+                captured.clear()
+                prob = sim.layout.forward(row, fed.x_train[part]).double().softmax(dim=1)
+                feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
+                own = nn.functional.one_hot(fed.y_train[part], n_classes).to(torch.float64)
+                pull = own * (1.0 - prob) * feature_mean
+                push = (1.0 - own) * prob * feature_mean
+                out.index_add_(0, owner[s : s + chunk_size], torch.stack([pull, push], dim=2))
+    finally:
+        hook.remove()
+    if normalise:
+        counts = torch.as_tensor(fed.train_sizes[clients], dtype=torch.float64)
+        out /= counts.clamp(min=1.0).view(-1, 1, 1)
+    return out.to(torch.float32)

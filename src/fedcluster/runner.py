@@ -1,0 +1,369 @@
+"""The round loop: build the federation, run each (algorithm, seed) job, write the run directory.
+
+Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
+``metrics.csv`` (one row per round x algorithm x seed), ``clusters.csv``
+(client -> cluster per round, with the true group), ``summary.json`` and
+``checkpoints/``. Checkpoints are written atomically every
+``checkpoint_every`` rounds; :func:`resume` continues a killed run so that
+``metrics.csv`` equals that of an uninterrupted run (timing columns aside):
+all randomness is derived from (seed, purpose, round, client), so the rounds
+after a checkpoint repeat exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from fedcluster.algorithms import ALGORITHMS, Context
+from fedcluster.algorithms.base import Algorithm, Comm, init_row
+from fedcluster.config import (
+    AlgorithmSpec,
+    ExperimentConfig,
+    dump_config,
+    load_yaml,
+    validate_config,
+)
+from fedcluster.data.federation import Federation, build_federation
+from fedcluster.data.partitions import make_partition
+from fedcluster.data.sources import load_dataset
+from fedcluster.engine.simulator import Simulator
+from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
+from fedcluster.models import build_model
+from fedcluster.rng import numpy_rng
+
+CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
+
+
+def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
+    """Load the dataset and partition it among clients, as the config says, for one seed."""
+    data = config.data
+    dataset = load_dataset(
+        data.dataset, data.data_dir, download=data.download, seed=seed, **data.options
+    )
+    options = dict(data.partition)
+    name = options.pop("name")
+    y_test = None if dataset.test is None else dataset.test.y.numpy()
+    partition = make_partition(
+        name, dataset.train.y.numpy(), y_test, numpy_rng(seed, "partition"), **options
+    )
+    return build_federation(dataset, partition)
+
+
+def select_clients(n_clients: int, config: ExperimentConfig, seed: int, rnd: int) -> np.ndarray:
+    """The round's participants: all, a fraction or a count, drawn from (seed, round)."""
+    p = config.participation
+    if p.fraction is None and p.count is None:
+        return np.arange(n_clients)
+    k = p.count if p.count is not None else max(1, round(p.fraction * n_clients))
+    k = min(k, n_clients)
+    return np.sort(numpy_rng(seed, "participation", rnd).choice(n_clients, k, replace=False))
+
+
+@dataclass
+class JobResult:
+    """The per-round metric rows of one (algorithm, seed) job."""
+
+    algorithm: str
+    seed: int
+    rows: list[dict[str, object]]
+    wall_seconds: float
+
+
+class RunDirectory:
+    """Reads and writes the files of a run directory, atomically where it matters."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.metrics = self.path / "metrics.csv"
+        self.clusters = self.path / "clusters.csv"
+        self.checkpoints = self.path / "checkpoints"
+
+    def create(self, config: ExperimentConfig) -> None:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(self.path / "config.yaml", dump_config(config))
+        for path, header in ((self.metrics, COLUMNS), (self.clusters, CLUSTER_COLUMNS)):
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(header)
+
+    def checkpoint_path(self, label: str, seed: int) -> Path:
+        safe = "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)
+        return self.checkpoints / f"{safe}-seed{seed}.pt"
+
+    def append(self, path: Path, rows: list[list[str]]) -> None:
+        with open(path, "a", newline="") as f:
+            csv.writer(f).writerows(rows)
+
+    def truncate_job(self, label: str, seed: int, after_round: int) -> None:
+        """Drop rows of one job beyond ``after_round`` (rows a resumed job will write again)."""
+        for path, round_col in ((self.metrics, "round"), (self.clusters, "round")):
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+                header = rows[0].keys() if rows else None
+            if header is None:
+                continue
+            kept = [
+                r
+                for r in rows
+                if not (
+                    r["algorithm"] == label
+                    and int(r["seed"]) == seed
+                    and int(r[round_col]) > after_round
+                )
+            ]
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(header))
+                writer.writeheader()
+                writer.writerows(kept)
+            os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: object, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Experiment:
+    """A configured experiment: one federation per seed, each algorithm run on it.
+
+    Pass ``model`` (any ``nn.Module``) and/or ``federation`` to use your own
+    instead of the config's preset model and dataset.
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: nn.Module | None = None,
+        federation: Federation | None = None,
+    ) -> None:
+        self.config = config
+        self._model = model
+        self._federation = federation
+
+    def federation(self, seed: int) -> Federation:
+        if self._federation is not None:
+            return self._federation
+        return build_federation_for(self.config, seed)
+
+    def model(self, federation: Federation) -> nn.Module:
+        if self._model is not None:
+            return self._model
+        m = self.config.model
+        return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
+
+    def run(
+        self,
+        out: str | Path,
+        resume: bool = False,
+        progress: bool = True,
+        stop_after_round: int | None = None,
+    ) -> list[JobResult]:
+        """Run every job, writing the run directory ``out``.
+
+        With ``resume`` the directory's checkpoints are continued. ``stop_after_round``
+        stops each job after that round (used to test resuming).
+        """
+        rundir = RunDirectory(out)
+        if not resume:
+            rundir.create(self.config)
+        results = []
+        for seed in self.config.seeds:
+            federation = self.federation(seed)
+            model = self.model(federation)
+            start_row = init_row(model, seed, "init")
+            for spec in self.config.algorithms:
+                results.append(
+                    self._run_job(
+                        rundir,
+                        spec,
+                        seed,
+                        federation,
+                        model,
+                        start_row,
+                        resume,
+                        progress,
+                        stop_after_round,
+                    )
+                )
+        write_summary(rundir.path, self.config, results)
+        return results
+
+    def _run_job(
+        self,
+        rundir: RunDirectory,
+        spec: AlgorithmSpec,
+        seed: int,
+        federation: Federation,
+        model: nn.Module,
+        start_row: torch.Tensor,
+        resume: bool,
+        progress: bool,
+        stop_after_round: int | None,
+    ) -> JobResult:
+        cfg = self.config
+        label = spec.display_name()
+        sim = Simulator(model, federation, seed=seed, group_size=cfg.group_size)
+        ctx = Context(sim=sim, train=cfg.train.local(), seed=seed, init_row=start_row, comm=Comm())
+        algorithm: Algorithm = ALGORITHMS[spec.name](spec.build_params(), ctx)
+        ckpt_path = rundir.checkpoint_path(label, seed)
+        first_round, state, rows, wall = 1, None, [], 0.0
+        if resume and ckpt_path.exists():
+            ckpt = torch.load(ckpt_path, weights_only=False)
+            state, first_round, rows, wall = (
+                ckpt["state"],
+                ckpt["round"] + 1,
+                ckpt["rows"],
+                ckpt["wall_seconds"],
+            )
+            rundir.truncate_job(label, seed, ckpt["round"])
+        elif resume:
+            rundir.truncate_job(label, seed, 0)
+        if state is None:
+            state = algorithm.init_state()
+        last = cfg.rounds if stop_after_round is None else min(cfg.rounds, stop_after_round)
+        bar = tqdm(
+            range(first_round, last + 1),
+            desc=f"{label} seed {seed}",
+            disable=not progress,
+            leave=True,
+            unit="round",
+            dynamic_ncols=True,
+        )
+        started = time.perf_counter() - wall
+        for rnd in bar:
+            row = self._round(algorithm, state, rnd, seed, label, federation, rundir)
+            rows.append(row)
+            if not math.isnan(row["accuracy"]):
+                bar.set_postfix(acc=f"{row['accuracy']:.3f}", refresh=False)
+            if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds:
+                _atomic_torch_save(
+                    {
+                        "round": rnd,
+                        "state": state,
+                        "rows": rows,
+                        "wall_seconds": time.perf_counter() - started,
+                    },
+                    ckpt_path,
+                )
+        bar.close()
+        return JobResult(label, seed, rows, time.perf_counter() - started)
+
+    def _round(
+        self,
+        algorithm: Algorithm,
+        state: dict,
+        rnd: int,
+        seed: int,
+        label: str,
+        federation: Federation,
+        rundir: RunDirectory,
+    ) -> dict[str, object]:
+        cfg = self.config
+        ctx = algorithm.ctx
+        ctx.comm = Comm()
+        client_before = ctx.sim.seconds
+        t0 = time.perf_counter()
+        selected = select_clients(federation.n_clients, cfg, seed, rnd)
+        loss = algorithm.run_round(state, rnd, selected)
+        round_seconds = time.perf_counter() - t0
+        client_seconds = ctx.sim.seconds - client_before
+        row: dict[str, object] = {
+            "round": rnd,
+            "algorithm": label,
+            "seed": seed,
+            "loss": loss,
+            "bytes_up": ctx.comm.up,
+            "bytes_down": ctx.comm.down,
+            "client_seconds": client_seconds,
+            "server_seconds": round_seconds - client_seconds,
+        }
+        assign = algorithm.clusters(state)
+        row.update(cluster_columns(assign, federation.groups))
+        t1 = time.perf_counter()
+        if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+            row.update(accuracy_columns(algorithm.evaluate(state, rnd)))
+        else:
+            row.update(
+                accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan
+            )
+        row["eval_seconds"] = time.perf_counter() - t1
+        rundir.append(rundir.metrics, [format_row(row)])
+        if assign is not None:
+            groups = federation.groups
+            rundir.append(
+                rundir.clusters,
+                [
+                    [label, seed, rnd, c, int(assign[c]), "" if groups is None else int(groups[c])]
+                    for c in range(federation.n_clients)
+                ],
+            )
+        return row
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if isinstance(v, float) and not math.isnan(v)]
+
+
+def job_summary(job: JobResult) -> dict[str, object]:
+    """Final and best accuracy, final purity, rounds to 0.9 purity, bytes and time of a job."""
+    accs = _finite([r["accuracy"] for r in job.rows])
+    last = job.rows[-1] if job.rows else {}
+    purity_round = next(
+        (r["round"] for r in job.rows if isinstance(r.get("purity"), float) and r["purity"] >= 0.9),
+        None,
+    )
+    return {
+        "algorithm": job.algorithm,
+        "seed": job.seed,
+        "rounds": len(job.rows),
+        "final_accuracy": accs[-1] if accs else None,
+        "best_accuracy": max(accs) if accs else None,
+        "final_accuracy_mean": last.get("accuracy_mean"),
+        "final_accuracy_std": last.get("accuracy_std"),
+        "final_purity": None if _nan(last.get("purity")) else last.get("purity"),
+        "rounds_to_purity_0.9": purity_round,
+        "bytes_up": int(sum(r["bytes_up"] for r in job.rows)),
+        "bytes_down": int(sum(r["bytes_down"] for r in job.rows)),
+        "wall_seconds": job.wall_seconds,
+    }
+
+
+def _nan(v: object) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def write_summary(path: Path, config: ExperimentConfig, results: list[JobResult]) -> None:
+    """``summary.json``: the per-job summaries (NaN written as null)."""
+    jobs = [{k: None if _nan(v) else v for k, v in job_summary(j).items()} for j in results]
+    text = json.dumps({"name": config.name, "jobs": jobs}, indent=2, allow_nan=False)
+    _atomic_write_text(path / "summary.json", text)
+
+
+def resume(
+    out: str | Path,
+    progress: bool = True,
+    experiment_factory: Callable[[ExperimentConfig], Experiment] = Experiment,
+) -> list[JobResult]:
+    """Continue a killed run from its checkpoints, with its own resolved config."""
+    path = Path(out)
+    config = validate_config(load_yaml(path / "config.yaml"))
+    return experiment_factory(config).run(path, resume=True, progress=progress)
