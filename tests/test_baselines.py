@@ -37,9 +37,9 @@ def test_fedavg_learns_and_is_deterministic():
         alg = FedAvg(FedAvg.Params(), ctx)
         state = alg.init_state()
         before = alg.evaluate(state, 0).correct.sum()
-        for rnd in range(1, 6):
+        for rnd in range(1, 11):
             alg.run_round(state, rnd, np.arange(fed.n_clients))
-        res = alg.evaluate(state, 5)
+        res = alg.evaluate(state, 10)
         accs.append(res.correct.sum() / res.count.sum())
         assert res.correct.sum() > before
     assert accs[0] == accs[1] and accs[0] > 0.8

@@ -105,29 +105,44 @@ class RunDirectory:
         with open(path, "a", newline="") as f:
             csv.writer(f).writerows(rows)
 
+    def _rewrite(
+        self,
+        path: Path,
+        keep: Callable[[dict[str, str]], bool],
+        order: Callable[[dict[str, str]], tuple] | None = None,
+    ) -> None:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            rows = [r for r in reader if keep(r)]
+        if order is not None:
+            rows.sort(key=order)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+
     def truncate_job(self, label: str, seed: int, after_round: int) -> None:
         """Drop rows of one job beyond ``after_round`` (rows a resumed job will write again)."""
-        for path, round_col in ((self.metrics, "round"), (self.clusters, "round")):
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-                header = rows[0].keys() if rows else None
-            if header is None:
-                continue
-            kept = [
-                r
-                for r in rows
-                if not (
-                    r["algorithm"] == label
-                    and int(r["seed"]) == seed
-                    and int(r[round_col]) > after_round
-                )
-            ]
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(header))
-                writer.writeheader()
-                writer.writerows(kept)
-            os.replace(tmp, path)
+
+        def keep(r: dict[str, str]) -> bool:
+            mine = r["algorithm"] == label and int(r["seed"]) == seed
+            return not (mine and int(r["round"]) > after_round)
+
+        for path in (self.metrics, self.clusters):
+            self._rewrite(path, keep)
+
+    def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
+        """Put rows in job order, then round (resumed jobs append after later jobs' rows)."""
+        rank = {(label, seed): i for i, (label, seed) in enumerate(jobs)}
+
+        def order(r: dict[str, str]) -> tuple:
+            return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
+
+        for path in (self.metrics, self.clusters):
+            self._rewrite(path, lambda r: True, order)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -204,6 +219,8 @@ class Experiment:
                         stop_after_round,
                     )
                 )
+        if resume:
+            rundir.sort_rows([(j.algorithm, j.seed) for j in results])
         write_summary(rundir.path, self.config, results)
         return results
 
