@@ -1,6 +1,14 @@
 """Federated algorithms, one module each; importing this package registers them all."""
 
-from fedcluster.algorithms import fedavg, ifca, jgl, local  # noqa: F401  (registration)
+from fedcluster.algorithms import (  # noqa: F401  (registration)
+    cfl,
+    dcfl,
+    fedavg,
+    fedgroup,
+    ifca,
+    jgl,
+    local,
+)
 from fedcluster.algorithms.base import ALGORITHMS, Algorithm, AlgorithmParams, Context
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "Context"]

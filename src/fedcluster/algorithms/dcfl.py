@@ -1,0 +1,172 @@
+"""DCFL: Augello, Falzone, Lo Re, "DCFL: dynamic clustered federated learning
+under differential privacy settings", PerCom Workshops 2023
+(dcfl-dynamic-cfl-differential-privacy.md), Alg. 1.
+
+- Every selected client trains from its cluster's model and uploads its
+  update vector δ_i, origin = the model received (A), end = the model after
+  local training (B) (Sec. II-B). Clients of different clusters start from
+  different models, which is what DCFL's distance is for: the pairwise
+  distance d(δ_i, δ_j) = |BD|·e^{2ω} with the divergence ω of eq. 1 (eq. 2)
+  compares whole update vectors, origins included
+  (:func:`~fedcluster.clustering.distances.dcfl_distance_matrix`; ``variant``
+  selects Table II's ablation: complete, divergence, cosine, euclidean).
+- Each cluster model is updated with its members' updates (Alg. 1 line 17),
+  then the Dunn index DI of the current clustering on the round's distances is
+  computed (eq. 3, single-linkage inter / maximal intra-cluster distance;
+  :func:`~fedcluster.clustering.validity.dunn_index`); when there is one
+  cluster or DI < 1 (eq. 4), the round's updates are re-clustered by affinity
+  propagation on −d (Frey & Dueck; the number of clusters is found, set by
+  ``preference``) and each new cluster model is the average of its members'
+  models (eq. 5).
+- Round 1 (Alg. 1 lines 1-3): all initial clients form one cluster C_0 whose
+  model is the random initial model W_G; they train, and since |C| = 1 the
+  first clustering happens at the end of round 1.
+- A newcomer (eq. 6, Alg. 1 lines 5-9) receives the average of the cluster
+  models W_G = Σ_j W_{C_j} / |C|, trains one round from it and joins the
+  cluster k minimising d(δ_{C_k}, δ_{n+1}), δ_{C_k} the vector W_G → W_{C_k}
+  (:meth:`DCFL.assign_newcomer`); it then trains with its cluster as usual.
+
+Choices where the paper is silent, taken here:
+
+- The initial set of clients is the round-1 participants; a client first
+  selected later is a newcomer (under full participation: nobody).
+- Averages are uniform over clients (eq. 5; line 17 is read the same way, so
+  without re-clustering a cluster's model is its members' average model).
+- The paper lets every client take part in every round ("future works will
+  address settings where only a portion ... participate"). With partial
+  participation, clustering uses the participants' updates; on re-clustering
+  an absent client follows the new cluster that most of its old cluster's
+  participants joined, and a cluster none of whose members took part is kept
+  unchanged. Clusters without participants keep their models.
+- Clients never assigned are evaluated with W_G, the model a newcomer gets.
+- ``state["dunn"]`` is the DI that decided the round (that of the clustering
+  in force during the round); ``state["reclusterings"]`` counts re-clusterings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.cfl import cluster_average, eval_rows_with_average
+from fedcluster.clustering.distances import DcflVariant, dcfl_distance_matrix, dcfl_distance_to
+from fedcluster.clustering.methods import affinity_propagation
+from fedcluster.clustering.validity import dunn_index
+from fedcluster.rng import numpy_rng
+
+
+class DCFLParams(AlgorithmParams):
+    variant: DcflVariant = Field(
+        "complete",
+        description="distance of Table II: complete (eq. 2), divergence, cosine or euclidean",
+    )
+    preference: float | Literal["median"] = Field(
+        "median",
+        description="affinity-propagation preference on −distance (higher: more clusters)",
+    )
+    damping: float = Field(0.5, ge=0.5, lt=1.0, description="affinity-propagation damping")
+
+
+@register
+class DCFL(Algorithm):
+    """DCFL (Alg. 1): affinity propagation on DCFL distances, re-clustered when DI < 1."""
+
+    name = "dcfl"
+    Params = DCFLParams
+
+    def init_state(self) -> State:
+        return {
+            "models": self.ctx.init_row.unsqueeze(0).clone(),
+            "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
+            "dunn": float("nan"),
+            "reclusterings": 0,
+        }
+
+    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        ctx = self.ctx
+        assign = state["assign"]
+        if (assign < 0).all():
+            assign[selected] = 0  # the initial clients form C_0 (Alg. 1 line 1)
+        newcomers = selected[assign[selected] < 0]
+        if len(newcomers):
+            self.assign_newcomer(state, newcomers, rnd)
+        labels = assign[selected]
+        start = state["models"][labels]
+        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+        result = ctx.sim.train(selected, start, ctx.train, rnd)
+        ctx.comm.upload(len(selected), floats=ctx.dim)
+
+        dist = dcfl_distance_matrix(start, result.rows, variant=self.params.variant)
+        state["dunn"] = dunn_index(dist, labels)
+        previous = state["models"]
+        if len(previous) == 1 or state["dunn"] < 1.0:
+            labels = affinity_propagation(
+                -dist,
+                preference=self.params.preference,
+                damping=self.params.damping,
+                random_state=int(numpy_rng(ctx.seed, "dcfl/ap", rnd).integers(2**31)),
+            )
+            previous = self._recluster(state, selected, labels)
+            state["reclusterings"] += 1
+        state["models"] = cluster_average(result.rows, labels, previous)
+        return weighted_loss(result.loss, ctx.train_sizes[selected])
+
+    def _recluster(self, state: State, selected: np.ndarray, labels: np.ndarray) -> torch.Tensor:
+        """Install the participants' new ``labels``; returns the models new clusters start from.
+
+        Absent clients follow the majority of their old cluster's participants;
+        old clusters without participants are kept, numbered after the new ones.
+        """
+        old = state["assign"]
+        new = np.full_like(old, -1)
+        new[selected] = labels
+        n_new = int(labels.max()) + 1
+        kept: list[int] = []
+        absent = np.setdiff1d(np.flatnonzero(old >= 0), selected)
+        for c in np.unique(old[absent]):
+            moved = labels[old[selected] == c]
+            if len(moved):
+                target = int(np.bincount(moved).argmax())
+            else:
+                target = n_new + len(kept)
+                kept.append(int(c))
+            new[absent[old[absent] == c]] = target
+        state["assign"] = new
+        fresh = torch.zeros(n_new, self.ctx.dim)  # every new cluster has participants
+        return torch.cat([fresh, state["models"][kept]])
+
+    def assign_newcomer(self, state: State, client: int | np.ndarray, rnd: int) -> np.ndarray:
+        """Eq. 6: newcomers train once from W_G and join the cluster whose W_G → W_Ck is closest.
+
+        ``client`` is one client id or an array of them; their clusters are
+        written to ``state["assign"]`` and returned. Costs each newcomer one
+        model down (W_G) and one update up; the cluster model follows with the
+        round's broadcast.
+        """
+        ctx = self.ctx
+        clients = np.atleast_1d(np.asarray(client, dtype=np.int64))
+        models = state["models"]
+        w_g = models.mean(dim=0)
+        ctx.comm.broadcast(len(clients), floats=ctx.dim)
+        result = ctx.sim.train(clients, w_g, ctx.train, rnd, purpose="newcomer")
+        ctx.comm.upload(len(clients), floats=ctx.dim)
+        dist = dcfl_distance_to(
+            w_g.expand(len(clients), -1),
+            result.rows,
+            w_g.expand(len(models), -1),
+            models,
+            variant=self.params.variant,
+        )
+        choice = dist.argmin(dim=1).numpy()
+        state["assign"][clients] = choice
+        return choice
+
+    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+        return eval_rows_with_average(state["models"], state["assign"])
+
+    def clusters(self, state: State) -> np.ndarray:
+        return state["assign"].copy()

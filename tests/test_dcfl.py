@@ -1,0 +1,168 @@
+"""DCFL (Augello et al. 2023, Alg. 1): rotation groups, Dunn index, newcomers (eq. 6)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from fedcluster.algorithms.base import FLOAT_BYTES, Context, init_row
+from fedcluster.algorithms.dcfl import DCFL
+from fedcluster.clustering.distances import DCFL_VARIANTS
+from fedcluster.clustering.validity import ari
+from fedcluster.data.federation import Federation
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.simulator import Simulator
+from fedcluster.models import build_model
+
+N_GROUPS = 4
+PER_GROUP = 5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread (and do not fight other jobs for the 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def rotated(shared_dataset) -> Federation:
+    """20 clients of real MNIST; client i's images are rotated by 90°·(i mod 4) (its group)."""
+    ds = shared_dataset("mnist")
+    rng = np.random.default_rng(0)
+    n = N_GROUPS * PER_GROUP
+    groups = np.arange(n) % N_GROUPS
+    tr, te = rng.permutation(len(ds.train.y))[: n * 100], rng.permutation(len(ds.test.y))[: n * 20]
+    train, test = [], []
+    for c in range(n):
+        k = int(groups[c])
+        i_tr = torch.as_tensor(tr[c * 100 : (c + 1) * 100])
+        i_te = torch.as_tensor(te[c * 20 : (c + 1) * 20])
+        train.append((torch.rot90(ds.train.x[i_tr], k, dims=(-2, -1)), ds.train.y[i_tr]))
+        test.append((torch.rot90(ds.test.x[i_te], k, dims=(-2, -1)), ds.test.y[i_te]))
+    return Federation.from_clients(train, test, 10, groups)
+
+
+def make_dcfl(federation: Federation, seed: int = 0, **params) -> DCFL:
+    model = build_model("mlp", federation.input_shape, 10, hidden=[32])
+    ctx = Context(
+        sim=Simulator(model, federation, seed=seed),
+        train=LocalTraining(lr=0.1, batch_size=20),
+        seed=seed,
+        init_row=init_row(model, seed, "init"),
+    )
+    return DCFL(DCFL.Params(**params), ctx)
+
+
+def run(alg: DCFL, state: dict, rounds: range, selected: np.ndarray) -> list[float]:
+    return [alg.run_round(state, rnd, selected) for rnd in rounds]
+
+
+def test_recovers_rotation_groups_and_dunn_index_ends_above_one(rotated):
+    alg = make_dcfl(rotated)
+    state = alg.init_state()
+    everyone = np.arange(rotated.n_clients)
+    run(alg, state, range(1, 2), everyone)
+    assert state["dunn"] == 0.0  # one cluster C_0 in round 1: DI = 0, so it clusters (Alg. 1)
+    assert state["reclusterings"] == 1
+    run(alg, state, range(2, 7), everyone)
+    assert ari(rotated.groups, alg.clusters(state)) == 1.0
+    assert len(state["models"]) == N_GROUPS
+    assert state["dunn"] > 1.0
+    accuracy = alg.evaluate(state, 6).accuracy.mean()
+    assert accuracy > 0.6
+
+
+def test_newcomers_join_their_groups_cluster(rotated):
+    alg = make_dcfl(rotated)
+    state = alg.init_state()
+    late = np.array([3, 18, 19])  # groups 3, 2, 3
+    initial = np.setdiff1d(np.arange(rotated.n_clients), late)
+    run(alg, state, range(1, 5), initial)
+    assert (state["assign"][late] == -1).all()
+    assert ari(rotated.groups[initial], state["assign"][initial]) == 1.0
+    rows, model_of_client = alg.eval_rows(state)
+    assert torch.equal(rows[model_of_client[19]], state["models"].mean(dim=0))  # W_G
+
+    dim = alg.ctx.dim
+    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    choice = alg.assign_newcomer(state, 19, 5)
+    assert alg.ctx.comm.down == alg.ctx.comm.up == dim * FLOAT_BYTES  # W_G down, update up
+    mates = state["assign"][initial[rotated.groups[initial] == rotated.groups[19]]]
+    assert choice.tolist() == [mates[0]] and (mates == mates[0]).all()
+
+    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    everyone = np.arange(rotated.n_clients)
+    run(alg, state, range(5, 6), everyone)  # clients 3 and 18 are newcomers here
+    assert alg.ctx.comm.down == alg.ctx.comm.up == (len(everyone) + 2) * dim * FLOAT_BYTES
+    assert ari(rotated.groups, state["assign"]) == 1.0
+
+
+def test_bytes_per_round_are_exact(rotated):
+    alg = make_dcfl(rotated)
+    state = alg.init_state()
+    selected = np.arange(rotated.n_clients)
+    alg.run_round(state, 1, selected)
+    # Every client gets its cluster model and uploads one update: d float32 each way.
+    assert alg.ctx.comm.down == alg.ctx.comm.up == len(selected) * alg.ctx.dim * FLOAT_BYTES
+
+
+@pytest.mark.parametrize("variant", DCFL_VARIANTS)
+def test_every_distance_variant_runs(rotated, variant):
+    alg = make_dcfl(rotated, variant=variant)
+    state = alg.init_state()
+    losses = run(alg, state, range(1, 3), np.arange(rotated.n_clients))
+    assert all(np.isfinite(losses))
+    assert (state["assign"] >= 0).all() and np.isfinite(state["dunn"])
+
+
+def test_preference_sets_the_number_of_clusters(rotated):
+    counts = []
+    for preference in ("median", 0.0):
+        alg = make_dcfl(rotated, preference=preference)
+        state = alg.init_state()
+        alg.run_round(state, 1, np.arange(rotated.n_clients))
+        counts.append(len(state["models"]))
+    assert counts[0] == N_GROUPS
+    assert counts[1] == rotated.n_clients  # preference 0 = the self-similarity: all exemplars
+
+
+def test_reclustering_with_absent_clients():
+    """Absent clients follow their old cluster's majority; clusters nobody attended are kept."""
+    x = torch.zeros(6, 1, 2, 2)
+    y = torch.zeros(6, dtype=torch.int64)
+    fed = Federation.from_clients([(x[i : i + 1], y[i : i + 1]) for i in range(6)], [(x, y)] * 6, 2)
+    alg = make_dcfl(fed)
+    state = alg.init_state()
+    state["assign"] = np.array([0, 0, 1, 1, 2, 2])
+    state["models"] = torch.arange(3.0).unsqueeze(1).repeat(1, alg.ctx.dim)
+    previous = alg._recluster(state, np.array([0, 2, 3]), np.array([0, 1, 1]))
+    assert state["assign"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert previous.shape == (3, alg.ctx.dim)
+    assert torch.equal(previous[2], torch.full((alg.ctx.dim,), 2.0))
+
+
+def test_same_seed_same_numbers_and_checkpoint_resume(rotated):
+    everyone = np.arange(rotated.n_clients)
+    alg = make_dcfl(rotated, seed=3)
+    full = alg.init_state()
+    losses = run(alg, full, range(1, 5), everyone)
+
+    again = make_dcfl(rotated, seed=3)
+    state = again.init_state()
+    first = run(again, state, range(1, 3), everyone)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    resumed = torch.load(buffer, weights_only=False)
+    rest = run(make_dcfl(rotated, seed=3), resumed, range(3, 5), everyone)
+
+    assert first + rest == losses
+    assert torch.equal(resumed["models"], full["models"])
+    assert np.array_equal(resumed["assign"], full["assign"])
+    assert resumed["dunn"] == full["dunn"]
