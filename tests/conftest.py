@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedcluster.data.sources import Dataset, load_dataset
 
@@ -27,6 +28,15 @@ def _absent(reason: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{reason} (CI=true: real datasets are required)")
     pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Small test federations run fastest on one thread and do not fight other jobs for cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

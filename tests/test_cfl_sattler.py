@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Context, init_row
-from fedcluster.algorithms.cfl import CFL, cluster_average, eval_rows_with_average
+from fedcluster.algorithms.cfl import CFL
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
@@ -16,15 +17,6 @@ from fedcluster.models import build_model
 N_GROUPS = 4
 PER_GROUP = 5
 ALWAYS = {"eps1": 1e9, "eps2": 0.0}  # both ε criteria hold: split whenever allowed
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the 2 cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

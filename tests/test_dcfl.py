@@ -21,15 +21,6 @@ N_GROUPS = 4
 PER_GROUP = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the 2 cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def rotated(shared_dataset) -> Federation:
     """20 clients of real MNIST; client i's images are rotated by 90°·(i mod 4) (its group)."""

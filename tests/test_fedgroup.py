@@ -24,15 +24,6 @@ LABEL_GROUPS = ([0, 1, 2], [3, 4, 5], [6, 7, 8])
 TRAIN = LocalTraining(lr=0.05, batch_size=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the 2 cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def mnist(shared_dataset):
     return shared_dataset("mnist")

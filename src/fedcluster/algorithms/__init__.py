@@ -2,9 +2,12 @@
 
 from fedcluster.algorithms import (  # noqa: F401  (registration)
     cfl,
+    cflgt,
     dcfl,
     fedavg,
     fedgroup,
+    fesem,
+    flhc,
     ifca,
     jgl,
     local,

@@ -36,9 +36,6 @@ Choices where the paper is silent or the code differs, taken here:
 - Splitting needs the update of every member, so a cluster is examined only
   in a round in which all its members took part (CFL assumes full
   participation).
-
-:func:`cluster_average` and :func:`eval_rows_with_average` are shared with
-DCFL and FedGroup.
 """
 
 from __future__ import annotations
@@ -47,43 +44,11 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
 from fedcluster.clustering.distances import cosine_similarity_matrix
 from fedcluster.clustering.methods import bipartition
 from fedcluster.engine.flat import weighted_average
-
-
-def cluster_average(
-    rows: torch.Tensor,
-    labels: np.ndarray,
-    previous: torch.Tensor,
-    weights: np.ndarray | None = None,
-) -> torch.Tensor:
-    """Per-cluster (weighted) mean of ``rows`` [n, d] grouped by ``labels`` [n].
-
-    Returns a copy of ``previous`` [K, d] in which every cluster holding at
-    least one row is replaced by the mean of its rows (uniform, or weighted by
-    ``weights`` [n], e.g. sample counts); clusters without rows keep their
-    previous row.
-    """
-    out = previous.clone()
-    w = torch.ones(len(labels)) if weights is None else torch.as_tensor(weights)
-    for c in np.unique(labels):
-        members = torch.as_tensor(labels == c)
-        out[int(c)] = weighted_average(rows[members], w[members])
-    return out
-
-
-def eval_rows_with_average(
-    models: torch.Tensor, assign: np.ndarray
-) -> tuple[torch.Tensor, np.ndarray]:
-    """Cluster models [K, d] plus their average; clients without a cluster (−1) use the average.
-
-    The average of the cluster models is DCFL's W_G (the model a newcomer
-    receives, Alg. 1 line 6) and FedGroup's auxiliary global model.
-    """
-    rows = torch.cat([models, models.mean(dim=0, keepdim=True)])
-    return rows, np.where(assign >= 0, assign, len(models)).astype(np.int64)
 
 
 class CFLParams(AlgorithmParams):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log
 from fedcluster.rng import numpy_rng
 
@@ -97,20 +98,13 @@ class ClusterModelAlgorithm(Algorithm):
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        k = self.params.n_clusters
         ctx.comm.broadcast(len(selected), floats=self.broadcast_floats())
         choice = self.choose(state, rnd, selected)
         result = ctx.sim.train(selected, state["models"][choice], ctx.train, rnd)
         ctx.comm.upload(len(selected), floats=ctx.dim, ints=self.upload_ints())
         sizes = ctx.train_sizes[selected]
-        new = state["models"].clone()
-        for c in range(k):
-            members = np.flatnonzero(choice == c)
-            if len(members) == 0:
-                continue
-            w = sizes[members] if self.params.weighting == "samples" else np.ones(len(members))
-            w_t = torch.as_tensor(w, dtype=torch.float32)
-            new[c] = (w_t / w_t.sum()) @ result.rows[members]
+        weights = sizes if self.params.weighting == "samples" else None
+        new = cluster_average(result.rows, choice, state["models"], weights)
         state["delta"] = new - state["models"]
         state["models"] = new
         state["assign"][selected] = choice

@@ -51,8 +51,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
-from fedcluster.algorithms.cfl import cluster_average, eval_rows_with_average
 from fedcluster.clustering.distances import DcflVariant, dcfl_distance_matrix, dcfl_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import dunn_index

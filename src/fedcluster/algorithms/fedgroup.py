@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
-from fedcluster.algorithms.cfl import cluster_average, eval_rows_with_average
 from fedcluster.clustering.distances import cosine_to, madc_matrix, svd_directions
 from fedcluster.clustering.methods import hierarchical, kmeans_pp
 from fedcluster.rng import numpy_rng

@@ -70,8 +70,8 @@ class ParamLayout:
         gradients). It is the trailing run of parameters that belong to the
         last module holding parameters.
         """
-        last_prefix = self.slots[-1].name.rsplit(".", 1)[0]
-        first = next(s for s in self.slots if s.name.rsplit(".", 1)[0] == last_prefix)
+        last_prefix = self.slots[-1].name.rpartition(".")[0]
+        first = next(s for s in self.slots if s.name.rpartition(".")[0] == last_prefix)
         return slice(first.start, self.dim)
 
 

@@ -78,7 +78,7 @@ class Simulator:
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
 
     @contextmanager
-    def _timed(self) -> Iterator[None]:
+    def timed(self) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
@@ -115,7 +115,7 @@ class Simulator:
         """
         clients = np.asarray(clients, dtype=np.int64)
         start = _broadcast_rows(start, len(clients), self.layout.dim)
-        with self._timed():
+        with self.timed():
             plans = self.plans(clients, cfg, rnd, purpose)
             if self.kernel is not None and cfg.momentum == 0.0:
                 return self._train_kernel(plans, start, cfg, classifier_only)
@@ -220,7 +220,7 @@ class Simulator:
         clients = np.asarray(clients, dtype=np.int64)
         k = models.shape[0]
         one_batch = LocalTraining(lr=cfg.lr, batch_size=cfg.batch_size, steps=1)
-        with self._timed():
+        with self.timed():
             batches = [p[0] for p in self.plans(clients, one_batch, rnd, purpose)]
             losses = torch.empty(len(clients), k)
             grads = torch.empty(len(clients), k, self.layout.dim) if with_grads else None
@@ -263,7 +263,7 @@ class Simulator:
         correct = np.zeros(len(clients), dtype=np.int64)
         loss_sum = np.zeros(len(clients), dtype=np.float64)
         count = (off[clients + 1] - off[clients]).astype(np.int64)
-        with self._timed():
+        with self.timed():
             for m in np.unique(model_of_client):
                 members = np.flatnonzero(model_of_client == m)
                 idx = torch.cat(

@@ -82,7 +82,7 @@ def gradient_trajectories(
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
     try:
-        with sim._timed():
+        with sim.timed():
             for s in range(0, len(rows), chunk_size):
                 part = rows[s : s + chunk_size]
                 captured.clear()

@@ -1,0 +1,50 @@
+"""Per-cluster aggregation shared by the clustered algorithms.
+
+- :func:`cluster_average`: each cluster's model is the (sample-weighted or
+  uniform) mean of its members' uploaded models -- JGL eq. 7, IFCA's model
+  averaging, DCFL eq. 5, FedGroup Alg. 2, FeSEM's M-step, CFL's per-cluster
+  FedAvg.
+- :func:`eval_rows_with_average`: the cluster models plus their average, the
+  model a client without a cluster uses (DCFL's W_G, FedGroup's auxiliary
+  global model).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedcluster.engine.flat import weighted_average
+
+
+def cluster_average(
+    rows: torch.Tensor,
+    labels: np.ndarray,
+    previous: torch.Tensor,
+    weights: np.ndarray | None = None,
+) -> torch.Tensor:
+    """Per-cluster (weighted) mean of ``rows`` [n, d] grouped by ``labels`` [n].
+
+    Returns a copy of ``previous`` [K, d] in which every cluster holding at
+    least one row is replaced by the mean of its rows (uniform, or weighted by
+    ``weights`` [n], e.g. sample counts); clusters without rows keep their
+    previous row.
+    """
+    out = previous.clone()
+    w = torch.ones(len(labels)) if weights is None else torch.as_tensor(weights)
+    for c in np.unique(labels):
+        members = torch.as_tensor(labels == c)
+        out[int(c)] = weighted_average(rows[members], w[members])
+    return out
+
+
+def eval_rows_with_average(
+    models: torch.Tensor, assign: np.ndarray
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Cluster models [K, d] plus their average; clients without a cluster (−1) use the average.
+
+    The average of the cluster models is DCFL's W_G (the model a newcomer
+    receives, Alg. 1 line 6) and FedGroup's auxiliary global model.
+    """
+    rows = torch.cat([models, models.mean(dim=0, keepdim=True)])
+    return rows, np.where(assign >= 0, assign, len(models)).astype(np.int64)

@@ -1,0 +1,205 @@
+"""CFLGT: clustered FL with gradient trajectory (cflgt-gradient-trajectory.md, Alg. 1).
+
+Schedule (Alg. 1), one runner round per step:
+
+1. rounds ``1..K`` (``pretrain_rounds``, lines 2-4): FedAvg of the global
+   model h_g with the runner's selected clients (Alg. 1 line 3,
+   ``FedAvg(h_g, M)``, under the run's participation);
+2. round ``K + 1`` (lines 5-11): the server broadcasts h_g to *every* client;
+   each computes its gradient trajectory with a forward pass
+   (:func:`~fedcluster.engine.trajectory.gradient_trajectories`, eqs. 6-8) and
+   uploads its 2·C floats; the server clusters the trajectories by affinity
+   propagation on the negative mean L2 distance between corresponding points
+   (Sec. IV-B) -- the number of clusters is found, not given -- and every
+   cluster model starts as h_g. No client trains in this round, so its
+   training loss is NaN; its bytes and client time are the cost of the
+   clustering step alone (the quantities of Fig. 8);
+3. later rounds (lines 12-24): each cluster runs FedAvg (eq. 2) with its
+   members among the round's participants U^t; clients never change cluster
+   (Sec. V-A: "each client will not be moved to another group").
+
+Participants after clustering. Alg. 1 line 13 draws U^t as "a random subset of
+clients M" -- one subset of all clients, routed to their clusters -- and
+Sec. V-A uses 20% of the clients per round. ``cluster_fraction`` draws that
+subset here (``max(1, round(f·M))`` clients, from ``numpy_rng(seed,
+"cflgt/participants", round)``) and the runner's selection is then ignored;
+``sampling="per-cluster"`` instead draws ``max(1, round(f·|cluster|))`` of
+every cluster's members, so each cluster trains every round (not in the
+paper); ``cluster_fraction=None`` uses the runner's selection as U^t. For the
+paper's protocol, set the run's participation to 0.2 as well, so pre-training
+also uses 20% of the clients.
+
+Server-side diagnostics, kept in the state for the run directory:
+``state["trajectories"]`` (float32 [M, C, 2]), ``state["cv"]`` (coefficient
+of variation of the Z1' and Z2' coordinates of all points, Sec. III-C) and
+``state["hopkins"]`` (Hopkins statistic of the flattened trajectories
+[M, 2·C], Sec. IV-D; > 0.75 reads as a clustering tendency). All three are
+``None`` before the clustering round.
+
+:class:`OneShotClustering` holds the schedule shared with FL+HC
+(:mod:`fedcluster.algorithms.flhc`): CFLGT's comparison protocol clusters
+every baseline once, after the same pre-training, with all clients (Sec. V-A).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    Context,
+    State,
+    register,
+    weighted_loss,
+)
+from fedcluster.algorithms.fedavg import FedAvg
+from fedcluster.clustering.distances import trajectory_distance_matrix
+from fedcluster.clustering.methods import affinity_propagation
+from fedcluster.clustering.validity import coefficient_of_variation, hopkins
+from fedcluster.engine.trajectory import gradient_trajectories
+from fedcluster.rng import numpy_rng
+
+
+class OneShotParams(AlgorithmParams):
+    pretrain_rounds: int = Field(
+        25, ge=0, description="FedAvg rounds before clustering (CFLGT Sec. V-A: 25)"
+    )
+
+
+class OneShotClustering(Algorithm):
+    """Pre-train FedAvg, cluster all clients once, then per-cluster FedAvg.
+
+    State: ``global`` (the pre-trained model [d]), ``models`` (cluster models
+    [K, d], empty before clustering) and ``assign`` (cluster of every client,
+    −1 before clustering). Subclasses provide :meth:`cluster_clients` and may
+    override :meth:`participants`.
+    """
+
+    Params = OneShotParams
+
+    def __init__(self, params: OneShotParams, ctx: Context) -> None:
+        super().__init__(params, ctx)
+        self.fedavg = FedAvg(FedAvg.Params(), ctx)
+
+    def init_state(self) -> State:
+        return {
+            "global": self.ctx.init_row.clone(),
+            "models": torch.empty(0, self.ctx.dim),
+            "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
+        }
+
+    @staticmethod
+    def clustered(state: State) -> bool:
+        return bool((state["assign"] >= 0).all())
+
+    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        if rnd <= self.params.pretrain_rounds:
+            return self.fedavg.run_round(state, rnd, selected)
+        if not self.clustered(state):
+            labels, loss = self.cluster_clients(state, rnd)
+            state["assign"] = labels
+            state["models"] = state["global"].unsqueeze(0).repeat(int(labels.max()) + 1, 1)
+            return loss
+        return self.cluster_fedavg(state, rnd, self.participants(state, rnd, selected))
+
+    @abstractmethod
+    def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
+        """Cluster labels 0..K−1 of all clients from ``state["global"]``, and the round's loss."""
+
+    def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
+        """The clients that train in a clustered round (default: the runner's selection)."""
+        return selected
+
+    def cluster_fedavg(self, state: State, rnd: int, participants: np.ndarray) -> float:
+        """One FedAvg round per cluster with its members among ``participants``."""
+        losses, sizes = [], []
+        for c in range(len(state["models"])):
+            members = participants[state["assign"][participants] == c]
+            if len(members) == 0:
+                continue
+            cluster_state = {"global": state["models"][c]}
+            losses.append(self.fedavg.run_round(cluster_state, rnd, members))
+            sizes.append(int(self.ctx.train_sizes[members].sum()))
+            state["models"][c] = cluster_state["global"]
+        return weighted_loss(torch.tensor(losses, dtype=torch.float64), np.array(sizes))
+
+    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+        if self.clustered(state):
+            return state["models"], state["assign"].copy()
+        return state["global"].unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
+
+    def clusters(self, state: State) -> np.ndarray:
+        return state["assign"].copy()
+
+
+class CFLGTParams(OneShotParams):
+    preference: float | Literal["median"] = Field(
+        "median",
+        description="affinity propagation preference: higher gives more clusters "
+        "(median of the similarities = Frey & Dueck's default)",
+    )
+    damping: float = Field(0.5, ge=0.5, lt=1.0, description="affinity propagation damping")
+    normalise: bool = Field(
+        True, description="divide each client's forces by its sample count (else sizes split)"
+    )
+    cluster_fraction: float | None = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="share of clients training per clustered round (Sec. V-A: 20%); "
+        "None: the runner's selection",
+    )
+    sampling: Literal["global", "per-cluster"] = Field(
+        "global",
+        description="draw cluster_fraction of all clients (Alg. 1 line 13) or of each cluster",
+    )
+
+
+@register
+class CFLGT(OneShotClustering):
+    """CFLGT (Alg. 1): FedAvg pre-training, trajectory clustering by AP, per-cluster FedAvg."""
+
+    name = "cflgt"
+    Params = CFLGTParams
+
+    def init_state(self) -> State:
+        return {**super().init_state(), "trajectories": None, "cv": None, "hopkins": None}
+
+    def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
+        ctx = self.ctx
+        p = self.params
+        everyone = np.arange(ctx.n_clients)
+        ctx.comm.broadcast(ctx.n_clients, floats=ctx.dim)
+        traj = gradient_trajectories(ctx.sim, everyone, state["global"], p.normalise)
+        ctx.comm.upload(ctx.n_clients, floats=traj[0].numel())
+        labels = affinity_propagation(
+            -trajectory_distance_matrix(traj),
+            preference=p.preference,
+            damping=p.damping,
+            random_state=int(numpy_rng(ctx.seed, "cflgt/affinity").integers(2**31)),
+        )
+        state["trajectories"] = traj
+        state["cv"] = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
+        if ctx.n_clients >= 2:
+            state["hopkins"] = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
+        return labels, float("nan")
+
+    def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
+        p = self.params
+        if p.cluster_fraction is None:
+            return selected
+        rng = numpy_rng(self.ctx.seed, "cflgt/participants", rnd)
+        if p.sampling == "global":
+            groups = [np.arange(self.ctx.n_clients)]
+        else:
+            groups = [np.flatnonzero(state["assign"] == c) for c in range(len(state["models"]))]
+        drawn = [
+            rng.choice(g, max(1, round(p.cluster_fraction * len(g))), replace=False) for g in groups
+        ]
+        return np.sort(np.concatenate(drawn))

@@ -1,0 +1,133 @@
+"""FeSEM: Xie, Long, Shen, Zhou, Wang, Jiang, "Multi-center federated learning",
+arXiv:2005.01026, 2020 (federated stochastic expectation maximisation).
+
+The server keeps K cluster centres (models) and minimises the expected L2
+distance between clients' local models and their centres, stochastically over
+the clients of each round:
+
+1. every selected client receives the centre of its cluster, trains it
+   locally and uploads its local model w_i;
+2. E-step: the server assigns each local model to the nearest centre,
+   r_i = argmin_k ‖w_i − w̃_k‖ (L2 distance between models, as CFLGT Sec. V-A
+   and FedGroup Sec. V describe the baseline);
+3. M-step: every centre that received clients becomes the average of their
+   local models, w̃_k = Σ_i r_ik w_i / Σ_i r_ik (``weighting="samples"``
+   weights by sample count instead); the others keep their model.
+
+The paper alternates the two steps over the clients' *latest* local models;
+here they run on the models this round's participants just uploaded, so the
+server stores no client model and a client's assignment changes only when it
+takes part.
+
+Initial centres (the paper leaves this open): ``init="clients"`` (default) --
+in the first round all selected clients train from the shared initial model
+and the centres are K of their local models chosen by k-means++ seeding (D²
+sampling, Arthur & Vassilvitskii 2007, on the L2 distances), so clear groups
+are unlikely to share a seed; ``init="random"`` -- K independently initialised
+models, as FedGroup's reference implementation of this baseline does. A client
+that has no cluster yet trains from the mean of the centres (in the first
+round of ``init="clients"``, the shared initial model) and is evaluated with
+it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
+from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.clustering.distances import euclidean_distance_matrix
+from fedcluster.errors import ConfigError
+from fedcluster.rng import numpy_rng
+
+
+class FeSEMParams(AlgorithmParams):
+    n_clusters: int = Field(5, ge=1, description="number of centres K (CFLGT scenario 1: 5)")
+    init: Literal["clients", "random"] = Field(
+        "clients",
+        description="centres: k-means++ seeds among the first round's local models, "
+        "or independent random models",
+    )
+    weighting: Literal["uniform", "samples"] = Field(
+        "uniform", description="M-step average: uniform (FeSEM) or by sample count"
+    )
+
+
+def kmeanspp_seeds(distance: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Indices of ``k`` points chosen by k-means++ D² sampling from a distance matrix [n, n].
+
+    The first seed is uniform; each next one is drawn with probability
+    proportional to its squared distance to the nearest seed so far (uniform
+    among the unchosen points when all remaining distances are 0).
+    """
+    n = len(distance)
+    chosen = [int(rng.integers(n))]
+    nearest = distance[chosen[0]] ** 2
+    for _ in range(1, k):
+        weight = nearest.copy()
+        if weight.sum() <= 0.0:
+            weight = np.ones(n)
+            weight[chosen] = 0.0
+        chosen.append(int(rng.choice(n, p=weight / weight.sum())))
+        nearest = np.minimum(nearest, distance[chosen[-1]] ** 2)
+    return np.array(chosen, dtype=np.int64)
+
+
+@register
+class FeSEM(Algorithm):
+    """FeSEM (Xie et al. 2020): stochastic EM of clients' local models around K centres."""
+
+    name = "fesem"
+    Params = FeSEMParams
+
+    def init_state(self) -> State:
+        ctx = self.ctx
+        p = self.params
+        if p.init == "random":
+            centres = ctx.fresh_rows(p.n_clusters, "fesem/centres")
+        else:
+            centres = ctx.init_row.unsqueeze(0).repeat(p.n_clusters, 1)
+        return {
+            "centres": centres,
+            "assign": np.full(ctx.n_clients, -1, dtype=np.int64),
+            "seeded": p.init == "random",
+        }
+
+    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        ctx = self.ctx
+        p = self.params
+        rows, owner = eval_rows_with_average(state["centres"], state["assign"])
+        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+        result = ctx.sim.train(selected, rows[owner[selected]], ctx.train, rnd)
+        ctx.comm.upload(len(selected), floats=ctx.dim, ints=int(p.weighting == "samples"))
+        local = result.rows
+        m = len(selected)
+        pair = euclidean_distance_matrix(torch.cat([local, state["centres"]])).numpy()
+        if state["seeded"]:
+            to_centres = pair[:m, m:]
+        else:
+            if m < p.n_clusters:
+                raise ConfigError(
+                    f"fesem.n_clusters: init='clients' needs at least {p.n_clusters} clients "
+                    f"in the first round, got {m}"
+                )
+            seeds = kmeanspp_seeds(pair[:m, :m], p.n_clusters, numpy_rng(ctx.seed, "fesem/seeds"))
+            state["centres"] = local[seeds].clone()
+            state["seeded"] = True
+            to_centres = pair[:m, seeds]
+        choice = to_centres.argmin(axis=1)
+        sizes = ctx.train_sizes[selected]
+        weights = sizes if p.weighting == "samples" else np.ones(m)
+        state["centres"] = cluster_average(local, choice, state["centres"], weights)
+        state["assign"][selected] = choice
+        return weighted_loss(result.loss, sizes)
+
+    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+        return eval_rows_with_average(state["centres"], state["assign"])
+
+    def clusters(self, state: State) -> np.ndarray:
+        return state["assign"].copy()
