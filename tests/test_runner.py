@@ -47,7 +47,15 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 def test_run_directory_contract(uninterrupted):
     files = {p.name for p in uninterrupted.iterdir()}
-    assert {"config.yaml", "metrics.csv", "clusters.csv", "summary.json", "checkpoints"} <= files
+    assert {
+        "config.yaml",
+        "metrics.csv",
+        "clusters.csv",
+        "diagnostics.csv",
+        "summary.json",
+        "summary.md",
+        "checkpoints",
+    } <= files
     rows = _rows(uninterrupted / "metrics.csv")
     assert len(rows) == 2 * 6
     assert {r["algorithm"] for r in rows} == {"fedavg", "jgl(n_clusters=2)"}
@@ -126,3 +134,18 @@ def test_participation_limits_who_trains(tmp_path):
         r for r in _rows(tmp_path / "full" / "metrics.csv") if r["algorithm"] == "fedavg"
     )
     assert int(fedavg["bytes_up"]) * 3 == int(fedavg_full["bytes_up"])
+
+
+def test_algorithm_diagnostics_and_artifacts_are_saved(tmp_path):
+    sets = TINY + [
+        "data.partition={name: label_combinations, n_combinations: 2, labels_per_combination: 2, "
+        "samples_per_label: 40, n_clients: 6, test_fraction: 0.25}",
+        "rounds=3",
+        "algorithms=[{name: cflgt, label: cflgt, params: {pretrain_rounds: 1}}, {name: dcfl}]",
+    ]
+    Experiment(resolve_config(None, "quickstart", sets)).run(tmp_path, progress=False)
+    diag = _rows(tmp_path / "diagnostics.csv")
+    names = {(r["algorithm"], r["name"]) for r in diag}
+    assert ("dcfl", "dunn") in names and ("cflgt", "hopkins") in names
+    arrays = np.load(tmp_path / "artifacts" / "cflgt-seed0.npz")
+    assert arrays["trajectories"].shape == (6, 10, 2)

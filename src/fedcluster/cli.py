@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from datetime import datetime
@@ -97,11 +96,8 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _print_summary(out: Path) -> None:
-    from fedcluster.report import format_table, summary_rows
-
-    summary = json.loads((out / "summary.json").read_text())
     print()
-    print(format_table(summary_rows(summary["jobs"])))
+    print((out / "summary.md").read_text(), end="")
     print(f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}")
 
 

@@ -41,9 +41,11 @@ from fedcluster.data.sources import load_dataset
 from fedcluster.engine.simulator import Simulator
 from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
 from fedcluster.models import build_model
+from fedcluster.report import format_table, summary_rows
 from fedcluster.rng import numpy_rng
 
 CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
+DIAGNOSTIC_COLUMNS = ["algorithm", "seed", "round", "name", "value"]
 
 
 def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
@@ -88,12 +90,19 @@ class RunDirectory:
         self.path = Path(path)
         self.metrics = self.path / "metrics.csv"
         self.clusters = self.path / "clusters.csv"
+        self.diagnostics = self.path / "diagnostics.csv"
         self.checkpoints = self.path / "checkpoints"
+        self.artifacts = self.path / "artifacts"
 
     def create(self, config: ExperimentConfig) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(self.path / "config.yaml", dump_config(config))
-        for path, header in ((self.metrics, COLUMNS), (self.clusters, CLUSTER_COLUMNS)):
+        tables = (
+            (self.metrics, COLUMNS),
+            (self.clusters, CLUSTER_COLUMNS),
+            (self.diagnostics, DIAGNOSTIC_COLUMNS),
+        )
+        for path, header in tables:
             with open(path, "w", newline="") as f:
                 csv.writer(f).writerow(header)
 
@@ -131,7 +140,7 @@ class RunDirectory:
             mine = r["algorithm"] == label and int(r["seed"]) == seed
             return not (mine and int(r["round"]) > after_round)
 
-        for path in (self.metrics, self.clusters):
+        for path in (self.metrics, self.clusters, self.diagnostics):
             self._rewrite(path, keep)
 
     def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
@@ -141,8 +150,18 @@ class RunDirectory:
         def order(r: dict[str, str]) -> tuple:
             return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
 
-        for path in (self.metrics, self.clusters):
+        for path in (self.metrics, self.clusters, self.diagnostics):
             self._rewrite(path, lambda r: True, order)
+
+    def save_artifacts(self, label: str, seed: int, arrays: dict[str, np.ndarray]) -> None:
+        """Arrays an algorithm keeps at the end of a job, as ``artifacts/<label>-seed<s>.npz``."""
+        if not arrays:
+            return
+        self.artifacts.mkdir(exist_ok=True)
+        path = self.artifacts / self.checkpoint_path(label, seed).with_suffix(".npz").name
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -282,6 +301,8 @@ class Experiment:
                     ckpt_path,
                 )
         bar.close()
+        if last == cfg.rounds:
+            rundir.save_artifacts(label, seed, algorithm.artifacts(state))
         return JobResult(label, seed, rows, time.perf_counter() - started)
 
     def _round(
@@ -324,6 +345,12 @@ class Experiment:
             )
         row["eval_seconds"] = time.perf_counter() - t1
         rundir.append(rundir.metrics, [format_row(row)])
+        diagnostics = algorithm.diagnostics(state)
+        if diagnostics:
+            rundir.append(
+                rundir.diagnostics,
+                [[label, seed, rnd, k, repr(float(v))] for k, v in diagnostics.items()],
+            )
         if assign is not None:
             groups = federation.groups
             rundir.append(
@@ -369,10 +396,11 @@ def _nan(v: object) -> bool:
 
 
 def write_summary(path: Path, config: ExperimentConfig, results: list[JobResult]) -> None:
-    """``summary.json``: the per-job summaries (NaN written as null)."""
+    """``summary.json`` (per-job summaries, NaN as null) and ``summary.md`` (the table)."""
     jobs = [{k: None if _nan(v) else v for k, v in job_summary(j).items()} for j in results]
     text = json.dumps({"name": config.name, "jobs": jobs}, indent=2, allow_nan=False)
     _atomic_write_text(path / "summary.json", text)
+    _atomic_write_text(path / "summary.md", format_table(summary_rows(jobs)) + "\n")
 
 
 def resume(

@@ -149,6 +149,14 @@ class Algorithm(ABC):
         """Cluster id of every client (−1 unassigned), or ``None`` for unclustered methods."""
         return None
 
+    def diagnostics(self, state: State) -> dict[str, float]:
+        """Per-round scalars worth logging (e.g. DCFL's Dunn index); ``diagnostics.csv``."""
+        return {}
+
+    def artifacts(self, state: State) -> dict[str, np.ndarray]:
+        """Arrays saved with the run when the job ends (e.g. CFLGT's trajectories)."""
+        return {}
+
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 

@@ -190,6 +190,20 @@ class CFLGT(OneShotClustering):
             state["hopkins"] = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
         return labels, float("nan")
 
+    def diagnostics(self, state: State) -> dict[str, float]:
+        if state["trajectories"] is None:
+            return {}
+        cv = np.asarray(state["cv"], dtype=np.float64)
+        out = {"cv_z1": float(cv[0]), "cv_z2": float(cv[1])}
+        if state["hopkins"] is not None:
+            out["hopkins"] = float(state["hopkins"])
+        return out
+
+    def artifacts(self, state: State) -> dict[str, np.ndarray]:
+        if state["trajectories"] is None:
+            return {}
+        return {"trajectories": np.asarray(state["trajectories"]), "cv": np.asarray(state["cv"])}
+
     def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
         p = self.params
         if p.cluster_fraction is None:

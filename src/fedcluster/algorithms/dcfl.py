@@ -170,3 +170,8 @@ class DCFL(Algorithm):
 
     def clusters(self, state: State) -> np.ndarray:
         return state["assign"].copy()
+
+    def diagnostics(self, state: State) -> dict[str, float]:
+        if state.get("dunn") is None:
+            return {}
+        return {"dunn": float(state["dunn"]), "reclusterings": float(state["reclusterings"])}
