@@ -58,12 +58,12 @@ def test_run_directory_contract(uninterrupted):
     } <= files
     rows = _rows(uninterrupted / "metrics.csv")
     assert len(rows) == 2 * 6
-    assert {r["algorithm"] for r in rows} == {"fedavg", "jgl(n_clusters=2)"}
+    assert {r["algorithm"] for r in rows} == {"fedavg", "jgl"}
     clusters = _rows(uninterrupted / "clusters.csv")
     assert len(clusters) == 6 * 6  # jgl only: 6 clients x 6 rounds
     assert set(clusters[0]) == {"algorithm", "seed", "round", "client", "cluster", "true_group"}
     summary = json.loads((uninterrupted / "summary.json").read_text())
-    assert [j["algorithm"] for j in summary["jobs"]] == ["fedavg", "jgl(n_clusters=2)"]
+    assert [j["algorithm"] for j in summary["jobs"]] == ["fedavg", "jgl"]
     # The resolved config reproduces the run.
     again = resolve_config(uninterrupted / "config.yaml")
     assert again.rounds == 6 and again.seeds == [0]
@@ -141,7 +141,7 @@ def test_algorithm_diagnostics_and_artifacts_are_saved(tmp_path):
         "data.partition={name: label_combinations, n_combinations: 2, labels_per_combination: 2, "
         "samples_per_label: 40, n_clients: 6, test_fraction: 0.25}",
         "rounds=3",
-        "algorithms=[{name: cflgt, label: cflgt, params: {pretrain_rounds: 1}}, {name: dcfl}]",
+        "algorithms=[{name: cflgt, params: {pretrain_rounds: 1}}, {name: dcfl}]",
     ]
     Experiment(resolve_config(None, "quickstart", sets)).run(tmp_path, progress=False)
     diag = _rows(tmp_path / "diagnostics.csv")

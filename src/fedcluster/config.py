@@ -91,6 +91,7 @@ class AlgorithmSpec(_Strict):
         return ALGORITHMS[self.name].Params(**self.params)
 
     def display_name(self) -> str:
+        """The label if given, else the name with its parameters, e.g. ``jgl(lam=0.5)``."""
         if self.label:
             return self.label
         if not self.params:
@@ -116,6 +117,11 @@ class ExperimentConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_labels(self) -> ExperimentConfig:
+        # An algorithm listed once is labelled by its name; repeats by name and parameters.
+        counts = {a.name: sum(b.name == a.name for b in self.algorithms) for a in self.algorithms}
+        for a in self.algorithms:
+            if a.label is None and counts[a.name] == 1:
+                a.label = a.name
         names = [a.display_name() for a in self.algorithms]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
