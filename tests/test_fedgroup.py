@@ -85,7 +85,7 @@ def test_edc_and_madc_agree_on_fedgroup_mnist(mnist):
     classes = [[i % 10, (i + 1) % 10] for i in range(n)]
     federation = label_federation(mnist, classes, sizes, np.arange(n) % 10, seed=5)
     alg = make(federation, n_groups=3)
-    updates = alg.pretrain(np.arange(n))
+    updates = alg.pretrain(np.arange(n)).rows
     upper = np.triu_indices(n, 1)
     edc = edc_matrix(updates, 3).numpy()[upper]
     madc = madc_matrix(updates).numpy()[upper]
@@ -114,7 +114,7 @@ def test_group_cold_start_bytes_and_groups(label_groups):
     assert alg.ctx.comm.down == alg.ctx.comm.up == 12 * dim * FLOAT_BYTES  # w0 down, update up
     # Group models are their members' average models; directions = model − w0 (Alg. 3 l. 16-17).
     w0 = alg.ctx.init_row
-    updates = alg.pretrain(pretrained)
+    updates = alg.pretrain(pretrained).rows
     for g in range(3):
         members = state["assign"][pretrained] == g
         expected = w0 + updates[torch.as_tensor(members)].mean(dim=0)
@@ -152,7 +152,7 @@ def test_rcc_uses_m_random_centres(label_groups):
     alg.group_cold_start(state)
     centres = np.flatnonzero(state["assign"] >= 0)
     assert len(centres) == 3 and sorted(state["assign"][centres]) == [0, 1, 2]
-    assert torch.allclose(state["directions"], alg.pretrain(centres)[state["assign"][centres]])
+    assert torch.allclose(state["directions"], alg.pretrain(centres).rows[state["assign"][centres]])
     state, losses = run(alg, 3)
     assert all(np.isfinite(losses))
 

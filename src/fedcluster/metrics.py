@@ -6,7 +6,8 @@
   "average test accuracy of all users", e.g. JGL Sec. III-A-3, DCFL Table I).
 - ``loss``: sample-weighted training loss of the round's participants;
   ``test_loss``: pooled test loss.
-- ``bytes_up`` / ``bytes_down``: payloads of the round, counted where sent.
+- ``bytes_up`` / ``bytes_down``: payloads of the round, counted where sent;
+  ``rejected``: uploads the server refused (non-finite values, ...).
 - ``purity`` (JGL Sec. III-A-3), ``ari``, ``nmi`` against the ground-truth
   groups, and ``n_clusters``, for algorithms that cluster clients.
 - ``client_seconds`` (client computations), ``server_seconds`` (the rest of
@@ -37,6 +38,7 @@ COLUMNS = [
     "n_clusters",
     "bytes_up",
     "bytes_down",
+    "rejected",
     "client_seconds",
     "server_seconds",
     "eval_seconds",

@@ -318,6 +318,7 @@ class Experiment:
         cfg = self.config
         ctx = algorithm.ctx
         ctx.comm = Comm()
+        ctx.rejected = []
         client_before = ctx.sim.seconds
         t0 = time.perf_counter()
         selected = select_clients(federation.n_clients, cfg, seed, rnd)
@@ -331,6 +332,7 @@ class Experiment:
             "loss": loss,
             "bytes_up": ctx.comm.up,
             "bytes_down": ctx.comm.down,
+            "rejected": len(ctx.rejected),
             "client_seconds": client_seconds,
             "server_seconds": round_seconds - client_seconds,
         }

@@ -64,14 +64,35 @@ class Comm:
 
 
 @dataclass
+class Exchange:
+    """What came back from a round trip: the accepted clients' models after local training.
+
+    ``keep`` is a mask over the clients asked; ``clients``, ``rows`` [m, d] and
+    ``loss`` [m] cover the accepted ones, in the order asked.
+    """
+
+    keep: np.ndarray
+    clients: np.ndarray
+    rows: torch.Tensor
+    loss: torch.Tensor
+
+
+@dataclass
 class Context:
-    """What an algorithm may use: the backend, local-training defaults, seed, initial model."""
+    """What an algorithm may use: the backend, local-training defaults, seed, initial model.
+
+    :meth:`exchange` is the one path by which client models reach the server:
+    it runs the clients' local training, counts the upload, and rejects
+    malformed updates (non-finite values) before any aggregation or clustering,
+    logging the client and recording it in ``rejected``.
+    """
 
     sim: Simulator
     train: LocalTraining
     seed: int
     init_row: torch.Tensor
     comm: Comm = field(default_factory=Comm)
+    rejected: list[int] = field(default_factory=list)
 
     @property
     def n_clients(self) -> int:
@@ -92,6 +113,42 @@ class Context:
     def local(self, **changes: Any) -> LocalTraining:
         """The local-training defaults with some fields changed (e.g. ``mu``)."""
         return replace(self.train, **changes)
+
+    def exchange(
+        self,
+        clients: np.ndarray,
+        start: torch.Tensor,
+        rnd: int,
+        cfg: LocalTraining | None = None,
+        purpose: str = "train",
+        ints: int = 0,
+    ) -> Exchange:
+        """Clients train from ``start`` ([n, d] or [d]) and upload their models.
+
+        Counts ``dim`` floats plus ``ints`` integers uploaded per client (the
+        caller counts what it broadcast). Updates with NaN or Inf are rejected.
+        """
+        clients = np.asarray(clients, dtype=np.int64)
+        result = self.sim.train(clients, start, cfg or self.train, rnd, purpose)
+        self.comm.upload(len(clients), floats=self.dim, ints=ints)
+        keep = self.accept_finite(clients, result.rows, rnd, "update")
+        mask = torch.as_tensor(keep)
+        return Exchange(keep, clients[keep], result.rows[mask], result.loss[mask])
+
+    def accept_finite(
+        self, clients: np.ndarray, payload: torch.Tensor, rnd: int, what: str
+    ) -> np.ndarray:
+        """Mask over ``clients`` of those whose ``payload`` [n, ...] is all finite.
+
+        The others are rejected: logged and recorded in ``rejected``. Used by
+        :meth:`exchange` for models and by algorithms for other uploads (e.g.
+        CFLGT's gradient trajectories).
+        """
+        keep = torch.isfinite(payload.flatten(1)).all(dim=1).numpy()
+        for c in clients[~keep]:
+            log.warning("round %d: rejected the %s of client %d (non-finite values)", rnd, what, c)
+            self.rejected.append(int(c))
+        return keep
 
 
 def init_row(model: nn.Module, seed: int, purpose: str, index: int = 0) -> torch.Tensor:

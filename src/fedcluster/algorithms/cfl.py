@@ -35,7 +35,10 @@ Choices where the paper is silent or the code differs, taken here:
   code aggregates after splitting). Both halves start from the old model.
 - Splitting needs the update of every member, so a cluster is examined only
   in a round in which all its members took part (CFL assumes full
-  participation).
+  participation). A client whose update is rejected
+  (:meth:`~fedcluster.algorithms.base.Context.exchange`) counts as absent: its
+  cluster averages the accepted updates and is not examined for a split that
+  round; a round without an accepted update changes nothing.
 """
 
 from __future__ import annotations
@@ -94,9 +97,11 @@ class CFL(Algorithm):
         labels = self.clusters(state)[selected]
         start = state["models"][labels]
         ctx.comm.broadcast(len(selected), floats=ctx.dim)
-        result = ctx.sim.train(selected, start, ctx.train, rnd)
-        ctx.comm.upload(len(selected), floats=ctx.dim, ints=1)  # update and sample count
-        updates = result.rows - start
+        ex = ctx.exchange(selected, start, rnd, ints=1)  # update and sample count
+        if not len(ex.clients):
+            return float("nan")
+        selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
+        updates = ex.rows - start
         sizes = ctx.train_sizes[selected]
 
         clusters, models, norms = [], [], []
@@ -119,8 +124,8 @@ class CFL(Algorithm):
         state["clusters"] = clusters
         state["update_norms"] = np.array(norms)
         labels = self.clusters(state)[selected]
-        state["models"] = cluster_average(result.rows, labels, torch.stack(models), sizes)
-        return weighted_loss(result.loss, sizes)
+        state["models"] = cluster_average(ex.rows, labels, torch.stack(models), sizes)
+        return weighted_loss(ex.loss, sizes)
 
     def _split(
         self, members: np.ndarray, updates: torch.Tensor, norm: tuple[float, float]

@@ -30,7 +30,8 @@ paper's protocol, set the run's participation to 0.2 as well, so pre-training
 also uses 20% of the clients.
 
 Server-side diagnostics, kept in the state for the run directory:
-``state["trajectories"]`` (float32 [M, C, 2]), ``state["cv"]`` (coefficient
+``state["trajectories"]`` (float32 [M, C, 2], the accepted clients' in client
+order), ``state["cv"]`` (coefficient
 of variation of the Z1' and Z2' coordinates of all points, Sec. III-C) and
 ``state["hopkins"]`` (Hopkins statistic of the flattened trajectories
 [M, 2·C], Sec. IV-D; > 0.75 reads as a clustering tendency). All three are
@@ -39,6 +40,17 @@ of variation of the Z1' and Z2' coordinates of all points, Sec. III-C) and
 :class:`OneShotClustering` holds the schedule shared with FL+HC
 (:mod:`fedcluster.algorithms.flhc`): CFLGT's comparison protocol clusters
 every baseline once, after the same pre-training, with all clients (Sec. V-A).
+
+Rejected uploads. Pre-training and per-cluster FedAvg leave rejected models
+out (:meth:`~fedcluster.algorithms.base.Context.exchange`); a cluster none of
+whose participants was accepted keeps its model. In the clustering round the
+upload (FL+HC's model, CFLGT's trajectory) of every client is checked the same
+way: non-finite ones are rejected (logged, ``ctx.rejected``) and only the
+accepted clients are clustered. A rejected client stays unassigned (−1) for
+good: it trains no more and is evaluated with the pre-trained global model
+h_g. If no client can be clustered (every upload rejected, or for FL+HC fewer
+accepted updates than clusters), the state is unchanged and the next round
+repeats the clustering round.
 """
 
 from __future__ import annotations
@@ -96,21 +108,26 @@ class OneShotClustering(Algorithm):
 
     @staticmethod
     def clustered(state: State) -> bool:
-        return bool((state["assign"] >= 0).all())
+        return len(state["models"]) > 0
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         if rnd <= self.params.pretrain_rounds:
             return self.fedavg.run_round(state, rnd, selected)
         if not self.clustered(state):
             labels, loss = self.cluster_clients(state, rnd)
-            state["assign"] = labels
-            state["models"] = state["global"].unsqueeze(0).repeat(int(labels.max()) + 1, 1)
+            if (labels >= 0).any():
+                state["assign"] = labels
+                state["models"] = state["global"].unsqueeze(0).repeat(int(labels.max()) + 1, 1)
             return loss
         return self.cluster_fedavg(state, rnd, self.participants(state, rnd, selected))
 
     @abstractmethod
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
-        """Cluster labels 0..K−1 of all clients from ``state["global"]``, and the round's loss."""
+        """Cluster labels 0..K−1 of all clients from ``state["global"]``, and the round's loss.
+
+        −1 labels a client whose upload was rejected; all −1 means that nothing
+        could be clustered (the next round tries again).
+        """
 
     def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
         """The clients that train in a clustered round (default: the runner's selection)."""
@@ -118,21 +135,27 @@ class OneShotClustering(Algorithm):
 
     def cluster_fedavg(self, state: State, rnd: int, participants: np.ndarray) -> float:
         """One FedAvg round per cluster with its members among ``participants``."""
-        losses, sizes = [], []
+        exchanges = []
         for c in range(len(state["models"])):
             members = participants[state["assign"][participants] == c]
             if len(members) == 0:
                 continue
             cluster_state = {"global": state["models"][c]}
-            losses.append(self.fedavg.run_round(cluster_state, rnd, members))
-            sizes.append(int(self.ctx.train_sizes[members].sum()))
+            exchanges.append(self.fedavg.step(cluster_state, rnd, members))
             state["models"][c] = cluster_state["global"]
-        return weighted_loss(torch.tensor(losses, dtype=torch.float64), np.array(sizes))
+        if not exchanges:
+            return float("nan")
+        clients = np.concatenate([ex.clients for ex in exchanges])
+        loss = torch.cat([ex.loss for ex in exchanges])
+        return weighted_loss(loss, self.ctx.train_sizes[clients])
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        if self.clustered(state):
-            return state["models"], state["assign"].copy()
-        return state["global"].unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
+        """Cluster models; clients without a cluster use the pre-trained global model."""
+        models, assign = state["models"], state["assign"]
+        if (assign >= 0).all():
+            return models, assign.copy()
+        rows = torch.cat([models, state["global"].unsqueeze(0)])
+        return rows, np.where(assign >= 0, assign, len(models)).astype(np.int64)
 
     def clusters(self, state: State) -> np.ndarray:
         return state["assign"].copy()
@@ -178,7 +201,12 @@ class CFLGT(OneShotClustering):
         ctx.comm.broadcast(ctx.n_clients, floats=ctx.dim)
         traj = gradient_trajectories(ctx.sim, everyone, state["global"], p.normalise)
         ctx.comm.upload(ctx.n_clients, floats=traj[0].numel())
-        labels = affinity_propagation(
+        keep = ctx.accept_finite(everyone, traj, rnd, "trajectory")
+        labels = np.full(ctx.n_clients, -1, dtype=np.int64)
+        if not keep.any():
+            return labels, float("nan")
+        traj = traj[torch.as_tensor(keep)]
+        labels[keep] = affinity_propagation(
             -trajectory_distance_matrix(traj),
             preference=p.preference,
             damping=p.damping,
@@ -186,7 +214,7 @@ class CFLGT(OneShotClustering):
         )
         state["trajectories"] = traj
         state["cv"] = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
-        if ctx.n_clients >= 2:
+        if len(traj) >= 2:
             state["hopkins"] = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
         return labels, float("nan")
 

@@ -7,6 +7,11 @@ Alg. 1): the server holds K models [K, d] and each model's last update
 its model and upload (model, cluster id); the server averages per cluster
 (JGL eq. 7, IFCA's model averaging).
 
+Rejected uploads (:meth:`~fedcluster.algorithms.base.Context.exchange`) are
+left out: those clients keep their previous cluster id, a cluster none of whose
+choosers was accepted keeps its model (and gets Δw_k = 0, as an unchosen
+cluster does), and a round without an accepted upload changes nothing.
+
 Initial models are independent random initialisations, all equal, or IFCA's
 "good initializer": the reference code re-draws random initial models until
 every cluster is chosen (by loss) by at least ``min_cluster_share`` of the
@@ -23,7 +28,7 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log
+from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log, weighted_loss
 from fedcluster.rng import numpy_rng
 
 
@@ -100,16 +105,17 @@ class ClusterModelAlgorithm(Algorithm):
         ctx = self.ctx
         ctx.comm.broadcast(len(selected), floats=self.broadcast_floats())
         choice = self.choose(state, rnd, selected)
-        result = ctx.sim.train(selected, state["models"][choice], ctx.train, rnd)
-        ctx.comm.upload(len(selected), floats=ctx.dim, ints=self.upload_ints())
-        sizes = ctx.train_sizes[selected]
+        ex = ctx.exchange(selected, state["models"][choice], rnd, ints=self.upload_ints())
+        if not len(ex.clients):
+            return float("nan")
+        choice = choice[ex.keep]
+        sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
-        new = cluster_average(result.rows, choice, state["models"], weights)
+        new = cluster_average(ex.rows, choice, state["models"], weights)
         state["delta"] = new - state["models"]
         state["models"] = new
-        state["assign"][selected] = choice
-        loss = result.loss.double()
-        return float((loss * torch.as_tensor(sizes)).sum() / sizes.sum())
+        state["assign"][ex.clients] = choice
+        return weighted_loss(ex.loss, sizes)
 
     def broadcast_floats(self) -> int:
         """Floats the server sends each selected client per round."""

@@ -39,6 +39,12 @@ Choices where the paper is silent, taken here:
   participants joined, and a cluster none of whose members took part is kept
   unchanged. Clusters without participants keep their models.
 - Clients never assigned are evaluated with W_G, the model a newcomer gets.
+- Rejected updates (:meth:`~fedcluster.algorithms.base.Context.exchange`):
+  a rejected client counts as absent (above); distances, the Dunn index,
+  affinity propagation and the averages use the accepted updates only. The
+  round-1 participants form C_0 whatever their uploads. A rejected newcomer
+  stays unassigned, skips the round and is a newcomer again when next
+  selected. A round without an accepted update changes nothing.
 - ``state["dunn"]`` is the DI that decided the round (that of the clustering
   in force during the round); ``state["reclusterings"]`` counts re-clusterings.
 """
@@ -94,13 +100,16 @@ class DCFL(Algorithm):
         newcomers = selected[assign[selected] < 0]
         if len(newcomers):
             self.assign_newcomer(state, newcomers, rnd)
+            selected = selected[assign[selected] >= 0]  # rejected newcomers sit the round out
         labels = assign[selected]
         start = state["models"][labels]
         ctx.comm.broadcast(len(selected), floats=ctx.dim)
-        result = ctx.sim.train(selected, start, ctx.train, rnd)
-        ctx.comm.upload(len(selected), floats=ctx.dim)
+        ex = ctx.exchange(selected, start, rnd)
+        if not len(ex.clients):
+            return float("nan")
+        selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
 
-        dist = dcfl_distance_matrix(start, result.rows, variant=self.params.variant)
+        dist = dcfl_distance_matrix(start, ex.rows, variant=self.params.variant)
         state["dunn"] = dunn_index(dist, labels)
         previous = state["models"]
         if len(previous) == 1 or state["dunn"] < 1.0:
@@ -112,8 +121,8 @@ class DCFL(Algorithm):
             )
             previous = self._recluster(state, selected, labels)
             state["reclusterings"] += 1
-        state["models"] = cluster_average(result.rows, labels, previous)
-        return weighted_loss(result.loss, ctx.train_sizes[selected])
+        state["models"] = cluster_average(ex.rows, labels, previous)
+        return weighted_loss(ex.loss, ctx.train_sizes[selected])
 
     def _recluster(self, state: State, selected: np.ndarray, labels: np.ndarray) -> torch.Tensor:
         """Install the participants' new ``labels``; returns the models new clusters start from.
@@ -143,27 +152,26 @@ class DCFL(Algorithm):
         """Eq. 6: newcomers train once from W_G and join the cluster whose W_G → W_Ck is closest.
 
         ``client`` is one client id or an array of them; their clusters are
-        written to ``state["assign"]`` and returned. Costs each newcomer one
-        model down (W_G) and one update up; the cluster model follows with the
-        round's broadcast.
+        written to ``state["assign"]`` and returned (−1: update rejected, the
+        newcomer stays unassigned). Costs each newcomer one model down (W_G)
+        and one update up; the cluster model follows with the round's broadcast.
         """
         ctx = self.ctx
         clients = np.atleast_1d(np.asarray(client, dtype=np.int64))
         models = state["models"]
         w_g = models.mean(dim=0)
         ctx.comm.broadcast(len(clients), floats=ctx.dim)
-        result = ctx.sim.train(clients, w_g, ctx.train, rnd, purpose="newcomer")
-        ctx.comm.upload(len(clients), floats=ctx.dim)
-        dist = dcfl_distance_to(
-            w_g.expand(len(clients), -1),
-            result.rows,
-            w_g.expand(len(models), -1),
-            models,
-            variant=self.params.variant,
-        )
-        choice = dist.argmin(dim=1).numpy()
-        state["assign"][clients] = choice
-        return choice
+        ex = ctx.exchange(clients, w_g, rnd, purpose="newcomer")
+        if len(ex.clients):
+            dist = dcfl_distance_to(
+                w_g.expand(len(ex.clients), -1),
+                ex.rows,
+                w_g.expand(len(models), -1),
+                models,
+                variant=self.params.variant,
+            )
+            state["assign"][ex.clients] = dist.argmin(dim=1).numpy()
+        return state["assign"][clients]
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state["models"], state["assign"])

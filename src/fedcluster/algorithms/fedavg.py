@@ -11,6 +11,10 @@
   FedAvg model, fine-tuned locally on each client's classifier layer before
   evaluation ("the client will update the bottom layer of the model on its
   data"); fine-tuning is local, so it sends nothing.
+
+Rejected updates (:meth:`~fedcluster.algorithms.base.Context.exchange`) are
+left out of the average; a round without an accepted update keeps the global
+model and reports a NaN loss.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pydantic import Field
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
+    Exchange,
     State,
     register,
     weighted_loss,
@@ -45,13 +50,21 @@ class FedAvg(Algorithm):
         return {"global": self.ctx.init_row.clone()}
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        ex = self.step(state, rnd, selected)
+        return weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients])
+
+    def step(self, state: State, rnd: int, selected: np.ndarray) -> Exchange:
+        """Broadcast ``state["global"]``, train, and average the accepted models into it.
+
+        Without an accepted update the global model stays as it was.
+        """
         ctx = self.ctx
         ctx.comm.broadcast(len(selected), floats=ctx.dim)
-        result = ctx.sim.train(selected, state["global"], ctx.local(mu=self.params.mu), rnd)
-        ctx.comm.upload(len(selected), floats=ctx.dim, ints=1)
-        sizes = ctx.train_sizes[selected]
-        state["global"] = weighted_average(result.rows, torch.as_tensor(sizes))
-        return weighted_loss(result.loss, sizes)
+        ex = ctx.exchange(selected, state["global"], rnd, ctx.local(mu=self.params.mu), ints=1)
+        if len(ex.clients):
+            sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
+            state["global"] = weighted_average(ex.rows, sizes)
+        return ex
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         return state["global"].unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)

@@ -31,14 +31,26 @@ accurate federated learning via decomposed similarity-based clustering"
 Pre-training is one epoch of plain SGD (``pretrain_epochs``; the paper: "the
 pre-training procedure does not occupy a whole round, the client can continue
 to train E−1 epochs"); its mini-batches depend on (seed, client) only, as a
-client pre-trains at most once. Bytes: every pre-training costs w0 down and
-the update up. Clients not yet in a group are evaluated with the auxiliary
-global model, the average of the group models (the paper scores only clients
-already assigned to a group).
+client pre-trains once (again only after a rejected update or a failed group
+cold start, below). Bytes: every pre-training costs w0 down and the update
+up. Clients not yet in a group are evaluated with the auxiliary global model,
+the average of the group models (the paper scores only clients already
+assigned to a group).
+
+Rejected updates (:meth:`~fedcluster.algorithms.base.Context.exchange`) are
+left out of grouping and averaging. A pre-training client whose update is
+rejected stays without a group and cold-starts (pre-training again) when next
+selected; a cold client whose update is rejected sits its round out. If fewer
+pre-training updates than groups (3 for MADC) are accepted, the group cold
+start cannot group them: the round ends without training (loss NaN) and the
+next round retries with a fresh draw of clients (``state["cold_start_retries"]``
+keys the draw; the first draw is unchanged). A round without an accepted update
+changes no model.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -46,9 +58,18 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    Exchange,
+    State,
+    log,
+    register,
+    weighted_loss,
+)
 from fedcluster.clustering.distances import cosine_to, madc_matrix, svd_directions
 from fedcluster.clustering.methods import hierarchical, kmeans_pp
+from fedcluster.errors import ConfigError
 from fedcluster.rng import numpy_rng
 
 PRETRAIN_PURPOSE = "pretrain"  # batch purpose of pre-training (round key 0)
@@ -109,60 +130,94 @@ class FedGroup(Algorithm):
             "directions": torch.zeros(m, self.ctx.dim),
             "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
             "grouped": False,
+            "cold_start_retries": 0,
         }
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
         if not state["grouped"]:
             self.group_cold_start(state)
+            if not state["grouped"]:
+                return float("nan")  # too few pre-training updates accepted: retried next round
         cold = selected[state["assign"][selected] < 0]
         if len(cold):
             state["assign"][cold] = self.client_cold_start(state, cold, rnd)
+            selected = selected[state["assign"][selected] >= 0]  # rejected cold clients sit out
         groups = state["assign"][selected]
         ctx.comm.broadcast(len(selected), floats=ctx.dim)
-        result = ctx.sim.train(selected, state["models"][groups], ctx.local(mu=self.params.mu), rnd)
-        ctx.comm.upload(len(selected), floats=ctx.dim, ints=1)  # model and sample count
-        sizes = ctx.train_sizes[selected]
-        models = cluster_average(result.rows, groups, state["models"], sizes)
+        ex = ctx.exchange(  # model and sample count
+            selected, state["models"][groups], rnd, ctx.local(mu=self.params.mu), ints=1
+        )
+        if not len(ex.clients):
+            return float("nan")
+        sizes = ctx.train_sizes[ex.clients]
+        models = cluster_average(ex.rows, groups[ex.keep], state["models"], sizes)
         if self.params.eta_g > 0.0:
             models = inter_group_aggregation(models, self.params.eta_g)
         state["models"] = models
-        return weighted_loss(result.loss, sizes)
+        return weighted_loss(ex.loss, sizes)
 
-    def pretrain(self, clients: np.ndarray) -> torch.Tensor:
-        """Clients receive w0, train ``pretrain_epochs`` from it and upload their updates [n, d]."""
+    def pretrain(self, clients: np.ndarray) -> Exchange:
+        """Clients receive w0, train ``pretrain_epochs`` from it and upload.
+
+        Returns the exchange with the accepted clients' updates [m, d] as ``rows``.
+        """
         ctx = self.ctx
         cfg = ctx.local(epochs=self.params.pretrain_epochs, steps=None, mu=0.0)
         ctx.comm.broadcast(len(clients), floats=ctx.dim)
-        result = ctx.sim.train(clients, ctx.init_row, cfg, 0, purpose=PRETRAIN_PURPOSE)
-        ctx.comm.upload(len(clients), floats=ctx.dim)
-        return result.rows - ctx.init_row
+        ex = ctx.exchange(clients, ctx.init_row, 0, cfg, purpose=PRETRAIN_PURPOSE)
+        return replace(ex, rows=ex.rows - ctx.init_row)
 
     def group_cold_start(self, state: State) -> None:
-        """Alg. 3 (or RCC): pre-train random clients, group them, set models and directions."""
+        """Alg. 3 (or RCC): pre-train random clients, group them, set models and directions.
+
+        Needs at least one accepted update per group (and 3 for MADC); with
+        fewer, nothing is grouped and the next call draws other clients.
+        """
         p = self.params
         ctx = self.ctx
         size = p.n_groups if p.rcc else min(p.pretrain_scale * p.n_groups, ctx.n_clients)
-        rng = numpy_rng(ctx.seed, "fedgroup/pretrain-clients")
+        need = p.n_groups if p.rcc or p.measure == "edc" else max(p.n_groups, 3)
+        if size < need:
+            raise ConfigError(
+                f"fedgroup.pretrain_scale: the group cold start needs {need} pre-training "
+                f"clients, got {size}"
+            )
+        retry = state["cold_start_retries"]
+        rng = numpy_rng(ctx.seed, "fedgroup/pretrain-clients", *([retry] if retry else []))
         clients = np.sort(rng.choice(ctx.n_clients, size, replace=False))
-        updates = self.pretrain(clients)
+        ex = self.pretrain(clients)
+        if len(ex.clients) < need:
+            log.warning(
+                "fedgroup: %d of %d pre-training updates accepted, %d needed; "
+                "the group cold start is retried with other clients",
+                len(ex.clients),
+                size,
+                need,
+            )
+            state["cold_start_retries"] += 1
+            return
         if p.rcc:
-            labels = np.arange(size)
+            labels = np.arange(len(ex.clients))
         else:
-            labels = group_labels(updates, p.n_groups, p.measure, int(rng.integers(2**31)))
+            labels = group_labels(ex.rows, p.n_groups, p.measure, int(rng.integers(2**31)))
         w0 = ctx.init_row.unsqueeze(0)
-        state["models"] = cluster_average(updates + w0, labels, w0.repeat(p.n_groups, 1))
+        state["models"] = cluster_average(ex.rows + w0, labels, w0.repeat(p.n_groups, 1))
         state["directions"] = state["models"] - w0
-        state["assign"][clients] = labels
+        state["assign"][ex.clients] = labels
         state["grouped"] = True
 
     def client_cold_start(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
-        """Eq. 9 (or RAC): the group of each cold client."""
+        """Eq. 9 (or RAC): the group of each cold client (−1: update rejected)."""
         if self.params.rac:
             return numpy_rng(self.ctx.seed, "fedgroup/rac", rnd).integers(
                 self.params.n_groups, size=len(clients)
             )
-        return cosine_to(self.pretrain(clients), state["directions"]).argmax(dim=1).numpy()
+        ex = self.pretrain(clients)
+        groups = np.full(len(clients), -1, dtype=np.int64)
+        if len(ex.clients):
+            groups[ex.keep] = cosine_to(ex.rows, state["directions"]).argmax(dim=1).numpy()
+        return groups
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state["models"], state["assign"])

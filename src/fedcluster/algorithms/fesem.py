@@ -28,6 +28,12 @@ models, as FedGroup's reference implementation of this baseline does. A client
 that has no cluster yet trains from the mean of the centres (in the first
 round of ``init="clients"``, the shared initial model) and is evaluated with
 it.
+
+Rejected uploads (:meth:`~fedcluster.algorithms.base.Context.exchange`) take
+no part in the E- and M-steps; those clients keep their cluster. A round
+without an accepted model changes nothing; with ``init="clients"``, a first
+round with fewer than K accepted models seeds no centres, and the next round
+tries again from the shared initial model.
 """
 
 from __future__ import annotations
@@ -100,31 +106,31 @@ class FeSEM(Algorithm):
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
         p = self.params
+        if not state["seeded"] and len(selected) < p.n_clusters:
+            raise ConfigError(
+                f"fesem.n_clusters: init='clients' needs at least {p.n_clusters} clients "
+                f"in the first round, got {len(selected)}"
+            )
         rows, owner = eval_rows_with_average(state["centres"], state["assign"])
         ctx.comm.broadcast(len(selected), floats=ctx.dim)
-        result = ctx.sim.train(selected, rows[owner[selected]], ctx.train, rnd)
-        ctx.comm.upload(len(selected), floats=ctx.dim, ints=int(p.weighting == "samples"))
-        local = result.rows
-        m = len(selected)
+        ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
+        selected, local, m = ex.clients, ex.rows, len(ex.clients)
+        sizes = ctx.train_sizes[selected]
+        if m == 0 or (not state["seeded"] and m < p.n_clusters):
+            return weighted_loss(ex.loss, sizes)  # too few accepted models: nothing changes
         pair = euclidean_distance_matrix(torch.cat([local, state["centres"]])).numpy()
         if state["seeded"]:
             to_centres = pair[:m, m:]
         else:
-            if m < p.n_clusters:
-                raise ConfigError(
-                    f"fesem.n_clusters: init='clients' needs at least {p.n_clusters} clients "
-                    f"in the first round, got {m}"
-                )
             seeds = kmeanspp_seeds(pair[:m, :m], p.n_clusters, numpy_rng(ctx.seed, "fesem/seeds"))
             state["centres"] = local[seeds].clone()
             state["seeded"] = True
             to_centres = pair[:m, seeds]
         choice = to_centres.argmin(axis=1)
-        sizes = ctx.train_sizes[selected]
         weights = sizes if p.weighting == "samples" else np.ones(m)
         state["centres"] = cluster_average(local, choice, state["centres"], weights)
         state["assign"][selected] = choice
-        return weighted_loss(result.loss, sizes)
+        return weighted_loss(ex.loss, sizes)
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state["centres"], state["assign"])

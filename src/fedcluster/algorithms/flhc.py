@@ -5,9 +5,9 @@ updates to improve training on non-IID data", IJCNN 2020.
    selected clients);
 2. one clustering round: *every* client trains from the global model with the
    usual local-training settings and uploads its model; the server clusters
-   the updates ΔW_i = w_i − w_global by agglomerative hierarchical clustering
-   with euclidean distance and the chosen linkage (Briggs et al. recommend
-   ward), cut at ``n_clusters`` clusters *or* at ``distance_threshold``
+   the (accepted) updates ΔW_i = w_i − w_global by agglomerative hierarchical
+   clustering with euclidean distance and the chosen linkage (Briggs et al.
+   recommend ward), cut at ``n_clusters`` clusters *or* at ``distance_threshold``
    (exactly one; on scikit-learn's linkage-distance scale);
 3. later rounds: every cluster trains independently with FedAvg, each cluster
    model starting from the global model; the runner's selected clients train
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field, model_validator
 
-from fedcluster.algorithms.base import State, register, weighted_loss
+from fedcluster.algorithms.base import State, log, register, weighted_loss
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotParams
 from fedcluster.clustering.methods import Linkage, hierarchical
 from fedcluster.errors import ConfigError
@@ -70,14 +70,21 @@ class FLHC(OneShotClustering):
             raise ConfigError(
                 f"flhc.n_clusters: {p.n_clusters} clusters for only {ctx.n_clients} clients"
             )
-        everyone = np.arange(ctx.n_clients)
         ctx.comm.broadcast(ctx.n_clients, floats=ctx.dim)
-        result = ctx.sim.train(everyone, state["global"], ctx.train, rnd)
-        ctx.comm.upload(ctx.n_clients, floats=ctx.dim)
-        labels = hierarchical(
-            features=result.rows - state["global"],
+        ex = ctx.exchange(np.arange(ctx.n_clients), state["global"], rnd)
+        loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
+        labels = np.full(ctx.n_clients, -1, dtype=np.int64)
+        if len(ex.clients) < (p.n_clusters or 1):
+            log.warning(
+                "flhc: %d accepted updates for %s clusters; clustering again next round",
+                len(ex.clients),
+                p.n_clusters,
+            )
+            return labels, loss
+        labels[ex.clients] = hierarchical(
+            features=ex.rows - state["global"],
             n_clusters=p.n_clusters,
             distance_threshold=p.distance_threshold,
             linkage=p.linkage,
         )
-        return labels, weighted_loss(result.loss, ctx.train_sizes)
+        return labels, loss

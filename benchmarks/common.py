@@ -1,0 +1,57 @@
+"""Shared helpers of the reproduction benchmarks: run presets over seeds, summarise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fedcluster.config import resolve_config
+from fedcluster.runner import Experiment, job_summary
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def default_data_dir() -> str:
+    """``$FEDCLUSTER_DATA`` or ``../shared/data`` beside the repository."""
+    return os.environ.get("FEDCLUSTER_DATA", str(REPO.parent / "shared" / "data"))
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--data-dir", default=default_data_dir())
+    p.add_argument("--out", default="runs/benchmarks")
+    return p
+
+
+def run_setting(
+    preset: str, sets: list[str], seeds: int, out: Path, data_dir: str, rounds: int | None = None
+) -> list[dict]:
+    """Run a preset with overrides for ``seeds`` seeds; returns the job summaries."""
+    overrides = {"seeds": list(range(seeds)), "data": {"data_dir": data_dir}}
+    if rounds is not None:
+        overrides["rounds"] = rounds
+    config = resolve_config(None, preset, sets, overrides)
+    results = Experiment(config).run(out, progress=False)
+    summaries = [job_summary(j) for j in results]
+    for s, j in zip(summaries, results, strict=True):
+        s["rows"] = j.rows
+    return summaries
+
+
+def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    vals = [v * scale for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return "-"
+    return f"{np.mean(vals):.{digits}f} ± {np.std(vals):.{digits}f}"
+
+
+def save_json(path: Path, payload: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float))

@@ -1,0 +1,232 @@
+"""Malformed uploads (NaN / Inf) are rejected before they reach any model, for every algorithm."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import fedcluster.algorithms.cflgt as cflgt_module
+from fedcluster.algorithms import ALGORITHMS
+from fedcluster.algorithms.base import Algorithm, State
+from tests.helpers import make_context, rotated_digits
+
+N_CLIENTS = 8
+MLP = {"hidden": [16]}
+
+# Small parameters under which every algorithm clusters within the first rounds.
+PARAMS: dict[str, dict] = {
+    "fedavg": {},
+    "fedprox": {},
+    "fedavg-ft": {},
+    "ifca": {"n_clusters": 2},
+    "jgl": {"n_clusters": 2},
+    "cfl": {"warmup_rounds": 1, "eps1": 1e3, "eps2": 0.0},  # splits whenever it may
+    "dcfl": {},
+    "fedgroup": {"n_groups": 2, "pretrain_scale": 4},  # every client pre-trains in round 1
+    "fedgrouprox": {"n_groups": 2, "pretrain_scale": 4},
+    "fesem": {"n_clusters": 2},
+    "flhc": {"pretrain_rounds": 1, "n_clusters": 2},
+    "cflgt": {"pretrain_rounds": 1, "cluster_fraction": None},
+}
+UPLOADS_NOTHING = {"local"}  # its models never leave the clients: nothing to reject
+
+# Corrupted clients per round (all: every client asked to train); round 2 is the
+# clustering round of FL+HC and CFLGT.
+EVERYONE = "everyone"
+SCHEDULE = {1: [1, 6], 2: [3], 3: EVERYONE, 4: [], 5: [2, 5]}
+
+
+@pytest.fixture(scope="module")
+def federation():
+    return rotated_digits(n_groups=2, clients_per_group=N_CLIENTS // 2, per_client=40)
+
+
+class Corruptor:
+    """Wraps ``sim.train``: the rows of the ``bad`` clients come back with NaN or ±Inf."""
+
+    def __init__(self, train) -> None:
+        self.train = train
+        self.bad: list[int] | str = []
+        self.corrupted: list[int] = []
+
+    def __call__(self, clients, *args, **kwargs):
+        result = self.train(clients, *args, **kwargs)
+        rows = result.rows.clone()
+        for i, c in enumerate(np.asarray(clients)):
+            if self.bad == EVERYONE or c in self.bad:
+                if len(self.corrupted) % 2:
+                    rows[i] = float("inf") if c % 2 else -float("inf")
+                else:
+                    rows[i, c] = float("nan")
+                self.corrupted.append(int(c))
+        result.rows = rows
+        return result
+
+
+def corrupt(ctx, monkeypatch) -> Corruptor:
+    corruptor = Corruptor(ctx.sim.train)
+    monkeypatch.setattr(ctx.sim, "train", corruptor)
+    return corruptor
+
+
+def tensors(value) -> list[torch.Tensor]:
+    """Every tensor in a (nested) state value."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in tensors(v)]
+    return []
+
+
+def changed(before, after) -> bool:
+    """Whether the tensors of a state value differ (in number, shape or values)."""
+    old, new = tensors(before), tensors(after)
+    return len(old) != len(new) or not all(map(torch.equal, old, new))
+
+
+def assert_finite(alg: Algorithm, state: State) -> None:
+    for key, value in state.items():
+        for t in tensors(value):
+            assert torch.isfinite(t).all(), f"non-finite values in state[{key!r}]"
+    rows, _ = alg.eval_rows(state)
+    assert torch.isfinite(rows).all()
+
+
+def assert_same_state(before: State, after: State) -> None:
+    assert before.keys() == after.keys()
+    for key in before:
+        a, b = before[key], after[key]
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), key
+        elif isinstance(a, np.ndarray):
+            assert np.array_equal(a, b, equal_nan=True), key
+        elif isinstance(a, list):
+            assert all(map(np.array_equal, a, b)) and len(a) == len(b), key
+        else:
+            assert a == b or (a != a and b != b), key
+
+
+def test_every_uploading_algorithm_is_covered():
+    assert set(PARAMS) == set(ALGORITHMS) - UPLOADS_NOTHING
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_non_finite_uploads_are_rejected(federation, monkeypatch, name):
+    cls = ALGORITHMS[name]
+    ctx = make_context(federation, **MLP)
+    alg = cls(cls.Params(**PARAMS[name]), ctx)
+    corruptor = corrupt(ctx, monkeypatch)
+    state = alg.init_state()
+    initial = copy.deepcopy(state)
+    everyone = np.arange(N_CLIENTS)
+    for rnd, bad in SCHEDULE.items():
+        corruptor.bad = bad
+        before = copy.deepcopy(state)
+        loss = alg.run_round(state, rnd, everyone)
+        assert_finite(alg, state)
+        if bad == EVERYONE:  # nothing accepted: nothing changes
+            assert np.isnan(loss)
+            assert_same_state(before, state)
+        else:
+            assert np.isfinite(loss) or (name == "cflgt" and rnd == 2)  # nobody trains
+    assert {1, 6, 2, 5} <= set(corruptor.corrupted)
+    assert sorted(ctx.rejected) == sorted(corruptor.corrupted)
+    assert any(changed(initial[key], state[key]) for key in initial), "no model was trained"
+    labels = alg.clusters(state)
+    assert labels is None or (labels >= 0).any()
+
+
+def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
+    """Trajectories are checked like models; rejected clients stay unassigned (−1)."""
+    cls = ALGORITHMS["cflgt"]
+    ctx = make_context(federation, **MLP)
+    alg = cls(cls.Params(pretrain_rounds=1, cluster_fraction=None), ctx)
+    bad: list[int] = []
+    compute = cflgt_module.gradient_trajectories
+
+    def trajectories(sim, clients, row, normalise):
+        traj = compute(sim, clients, row, normalise)
+        traj[bad[:1], 0, 0] = float("nan")
+        traj[bad[1:], :, 1] = float("inf")
+        return traj
+
+    monkeypatch.setattr(cflgt_module, "gradient_trajectories", trajectories)
+    state = alg.init_state()
+    everyone = np.arange(N_CLIENTS)
+    alg.run_round(state, 1, everyone)
+
+    bad[:] = everyone.tolist()  # every trajectory rejected: no clustering, retried next round
+    assert np.isnan(alg.run_round(state, 2, everyone))
+    assert not alg.clustered(state) and state["trajectories"] is None
+    assert sorted(ctx.rejected) == everyone.tolist()
+
+    ctx.rejected.clear()
+    bad[:] = [0, 5]
+    alg.run_round(state, 3, everyone)
+    assert ctx.rejected == [0, 5]
+    assign = alg.clusters(state)
+    assert (
+        alg.clustered(state)
+        and assign[0] == assign[5] == -1
+        and (np.delete(assign, [0, 5]) >= 0).all()
+    )
+    assert state["trajectories"].shape[0] == N_CLIENTS - 2
+    assert_finite(alg, state)
+
+    pretrained = state["global"].clone()
+    alg.run_round(state, 4, everyone)  # the unassigned clients do not train
+    assert ctx.rejected == [0, 5]
+    rows, model_of = alg.eval_rows(state)
+    assert torch.equal(rows[model_of[0]], pretrained) and torch.equal(rows[model_of[5]], pretrained)
+    assert not torch.equal(rows[model_of[1]], pretrained)
+
+
+def test_fedgroup_retries_the_cold_start_with_too_few_updates(federation, monkeypatch):
+    cls = ALGORITHMS["fedgroup"]
+    ctx = make_context(federation, **MLP)
+    alg = cls(cls.Params(n_groups=2, pretrain_scale=1), ctx)
+    corruptor = corrupt(ctx, monkeypatch)
+    state = alg.init_state()
+    everyone = np.arange(N_CLIENTS)
+    corruptor.bad = EVERYONE
+    assert np.isnan(alg.run_round(state, 1, everyone))
+    assert not state["grouped"] and state["cold_start_retries"] == 1
+    assert len(ctx.rejected) == 2  # the two pre-training clients; nobody else trained
+    corruptor.bad = []
+    assert np.isfinite(alg.run_round(state, 2, everyone))
+    assert state["grouped"] and (state["assign"] >= 0).all()
+    assert_finite(alg, state)
+
+
+def test_dcfl_rejected_newcomer_stays_unassigned(federation, monkeypatch):
+    cls = ALGORITHMS["dcfl"]
+    ctx = make_context(federation, **MLP)
+    alg = cls(cls.Params(), ctx)
+    corruptor = corrupt(ctx, monkeypatch)
+    state = alg.init_state()
+    alg.run_round(state, 1, np.arange(6))
+    corruptor.bad = [7]
+    alg.run_round(state, 2, np.arange(N_CLIENTS))  # newcomers 6 and 7
+    assert state["assign"][6] >= 0 and state["assign"][7] == -1
+    assert ctx.rejected == [7]  # rejected as a newcomer, then sat the round out
+    assert_finite(alg, state)
+
+
+def test_fesem_seeds_only_with_enough_accepted_models(federation, monkeypatch):
+    cls = ALGORITHMS["fesem"]
+    ctx = make_context(federation, **MLP)
+    alg = cls(cls.Params(n_clusters=2), ctx)
+    corruptor = corrupt(ctx, monkeypatch)
+    state = alg.init_state()
+    corruptor.bad = list(range(1, N_CLIENTS))  # one accepted model for two centres
+    assert np.isfinite(alg.run_round(state, 1, np.arange(N_CLIENTS)))
+    assert not state["seeded"] and (state["assign"] < 0).all()
+    corruptor.bad = []
+    alg.run_round(state, 2, np.arange(N_CLIENTS))
+    assert state["seeded"] and (state["assign"] >= 0).all()
+    assert_finite(alg, state)
