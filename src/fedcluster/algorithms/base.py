@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -63,6 +64,13 @@ class Comm:
         self.up += int(n_clients) * (FLOAT_BYTES * int(floats) + INT_BYTES * int(ints))
 
 
+UploadTransform = Callable[[np.ndarray, torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""What a client does to its model between local training and upload, in
+:meth:`Context.exchange`: ``(clients, start_rows, trained_rows, round) -> rows``
+(e.g. clipping and noising the update for local differential privacy, or a
+simulated faulty client)."""
+
+
 @dataclass
 class Exchange:
     """What came back from a round trip: the accepted clients' models after local training.
@@ -93,6 +101,7 @@ class Context:
     init_row: torch.Tensor
     comm: Comm = field(default_factory=Comm)
     rejected: list[int] = field(default_factory=list)
+    client_transforms: list[UploadTransform] = field(default_factory=list)
 
     @property
     def n_clients(self) -> int:
@@ -130,10 +139,15 @@ class Context:
         """
         clients = np.asarray(clients, dtype=np.int64)
         result = self.sim.train(clients, start, cfg or self.train, rnd, purpose)
+        rows = result.rows
+        if self.client_transforms:
+            start_rows = start.expand(len(clients), -1) if start.dim() == 1 else start
+            for transform in self.client_transforms:
+                rows = transform(clients, start_rows, rows, rnd)
         self.comm.upload(len(clients), floats=self.dim, ints=ints)
-        keep = self.accept_finite(clients, result.rows, rnd, "update")
+        keep = self.accept_finite(clients, rows, rnd, "update")
         mask = torch.as_tensor(keep)
-        return Exchange(keep, clients[keep], result.rows[mask], result.loss[mask])
+        return Exchange(keep, clients[keep], rows[mask], result.loss[mask])
 
     def accept_finite(
         self, clients: np.ndarray, payload: torch.Tensor, rnd: int, what: str
