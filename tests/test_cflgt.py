@@ -223,7 +223,11 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
 
 
 def test_cflgt_participant_sampling(equal_scenario):
-    state = {"assign": np.arange(20) % 5, "models": torch.zeros(5, 1)}
+    state = {
+        "assign": np.arange(20) % 5,
+        "models": torch.zeros(5, 1),
+        "excluded": np.zeros(20, bool),
+    }
     selected = np.array([0, 3])
     for sampling, count in (("global", 4), ("per-cluster", 5)):
         params = CFLGT.Params(cluster_fraction=0.2, sampling=sampling)

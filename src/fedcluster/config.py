@@ -12,12 +12,14 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedcluster.algorithms import ALGORITHMS
+from fedcluster.algorithms.base import UpdateBound
+from fedcluster.data.drift import DriftKind
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.errors import ConfigError
 
@@ -69,6 +71,142 @@ class ParticipationConfig(_Strict):
         return self
 
 
+class PrivacyConfig(_Strict):
+    """Local differential privacy (:mod:`fedcluster.privacy`, docs/privacy.md).
+
+    ``client``: clip each upload's update to ``clip`` and add Gaussian noise
+    (DCFL Sec. III; protects a client's whole data). ``record``: DP-SGD in
+    local training (Abadi et al. 2016; protects one sample). σ is calibrated
+    so ``max_participations`` uploads per client spend at most
+    (``epsilon``, ``delta``); a client that reaches its budget stops uploading.
+    """
+
+    mode: Literal["none", "client", "record"] = "none"
+    epsilon: float = Field(10.0, gt=0.0, description="target ε per client (DCFL: 10)")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="target δ (DCFL: 1e-5)")
+    clip: float = Field(1.0, gt=0.0, description="L2 clipping norm C (update or per-sample grad)")
+    max_participations: Annotated[int, Field(ge=1)] | Literal["rounds", "expected"] = Field(
+        "rounds",
+        description="uploads a client may make: a number, 'rounds' (every round, the worst "
+        "case) or 'expected' (⌈rounds × participation rate⌉)",
+    )
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant")
+    sampling: Literal["poisson", "shuffle"] = Field(
+        "poisson",
+        description="record level: Poisson batches (what the accountant assumes) or shuffled",
+    )
+
+
+class JoinsConfig(_Strict):
+    """When clients join (:mod:`fedcluster.scenario`); others are present from round 1."""
+
+    at: dict[int, int] = Field(default_factory=dict, description="client -> round it joins")
+    rounds: list[int] = Field(
+        default_factory=list, description="the last len(rounds) clients join at these rounds"
+    )
+    every: int | None = Field(None, ge=1, description="newcomers every N rounds ...")
+    count: int | None = Field(None, ge=1, description="... for the last `count` clients ...")
+    size: int = Field(1, ge=1, description="... `size` of them at a time")
+    first: int | None = Field(None, ge=1, description="round of the first of them (default N)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JoinsConfig:
+        if (self.every is None) != (self.count is None):
+            raise ValueError("give every and count together")
+        if self.every is not None and self.rounds:
+            raise ValueError("give either rounds or every/count, not both")
+        if self.first is not None and self.every is None:
+            raise ValueError("first applies only with every/count")
+        if any(r < 1 for r in [*self.at.values(), *self.rounds]) or any(c < 0 for c in self.at):
+            raise ValueError("rounds start at 1 and client ids at 0")
+        return self
+
+
+class DriftConfig(_Strict):
+    """A schedule of drift events of one kind (:mod:`fedcluster.scenario`)."""
+
+    kind: DriftKind
+    rounds: list[int] = Field(default_factory=list, description="rounds of the events")
+    every: int | None = Field(None, ge=1, description="or: an event every N rounds ...")
+    first: int | None = Field(None, ge=1, description="... from this round (default N)")
+    clients: list[int] | Literal["random"] = Field(
+        "random", description="who drifts at each event: these clients, or one random present one"
+    )
+    angle: float | None = Field(
+        None, description="rotate: degrees added to the images (None: uniform in [0, 360))"
+    )
+    labels: tuple[int, int] | None = Field(
+        None, description="swap_labels: the two labels (None: two random labels the client holds)"
+    )
+    alpha: float = Field(1.0, gt=0.0, description="redistribute: Dirichlet concentration")
+
+    @model_validator(mode="after")
+    def _scheduled(self) -> DriftConfig:
+        if bool(self.rounds) == (self.every is not None):
+            raise ValueError("give either rounds or every")
+        if self.first is not None and self.every is None:
+            raise ValueError("first applies only with every")
+        if any(r < 1 for r in self.rounds):
+            raise ValueError("rounds start at 1")
+        if self.clients != "random" and (not self.clients or min(self.clients) < 0):
+            raise ValueError("clients: give client ids (>= 0) or 'random'")
+        if self.labels is not None and (self.labels[0] == self.labels[1] or min(self.labels) < 0):
+            raise ValueError("labels: two distinct labels >= 0")
+        return self
+
+
+FaultKind = Literal["nan", "inf", "huge"]
+
+
+class FaultyConfig(_Strict):
+    share: float = Field(0.0, ge=0.0, le=1.0, description="share of clients whose uploads are bad")
+    kinds: list[FaultKind] = Field(
+        default_factory=lambda: ["nan", "inf", "huge"],
+        min_length=1,
+        description="faults, dealt to the faulty clients in turn",
+    )
+    scale: float = Field(1e6, gt=1.0, description="huge: the update multiplied by this")
+
+
+class ScenarioConfig(_Strict):
+    """Dynamic federation: joins, departures, availability, failures, drift, faulty clients."""
+
+    joins: JoinsConfig = Field(default_factory=JoinsConfig)
+    leaves: dict[int, int] = Field(
+        default_factory=dict, description="client -> round from which it is gone"
+    )
+    availability: float = Field(
+        1.0, gt=0.0, le=1.0, description="probability that a present client can be selected"
+    )
+    failure_rate: float = Field(
+        0.0, ge=0.0, lt=1.0, description="probability that a contacted client never replies"
+    )
+    drift: list[DriftConfig] = Field(default_factory=list)
+    faulty: FaultyConfig = Field(default_factory=FaultyConfig)
+
+    @model_validator(mode="after")
+    def _valid_leaves(self) -> ScenarioConfig:
+        if any(r < 2 for r in self.leaves.values()) or any(c < 0 for c in self.leaves):
+            raise ValueError("leaves: client ids >= 0 leave at rounds >= 2")
+        return self
+
+
+class RejectionConfig(_Strict):
+    """Server-side rejection of absurdly large updates (:meth:`Context.exchange`)."""
+
+    norm_factor: float | None = Field(
+        UpdateBound.norm_factor,
+        gt=1.0,
+        description="reject an update whose norm exceeds this times the round's median (None: off)",
+    )
+    max_norm: float | None = Field(
+        UpdateBound.max_norm, gt=0.0, description="reject an update whose norm exceeds this"
+    )
+
+    def bound(self) -> UpdateBound:
+        return UpdateBound(**self.model_dump())
+
+
 class AlgorithmSpec(_Strict):
     name: str
     label: str | None = None
@@ -108,6 +246,9 @@ class ExperimentConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
+    rejection: RejectionConfig = Field(default_factory=RejectionConfig)
     algorithms: list[AlgorithmSpec] = Field(
         default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
     )

@@ -1,13 +1,18 @@
 """Per-round metrics: the columns of ``metrics.csv`` and how they are computed.
 
 - ``accuracy``: test accuracy over all clients' test samples pooled, each
-  client using the model it would use; ``accuracy_mean`` / ``accuracy_std``:
+  client using the model it would use (in a dynamic federation, the clients
+  present in the round, :mod:`fedcluster.scenario`); ``accuracy_mean`` / ``accuracy_std``:
   mean and standard deviation of the per-client accuracies (the papers'
   "average test accuracy of all users", e.g. JGL Sec. III-A-3, DCFL Table I).
 - ``loss``: sample-weighted training loss of the round's participants;
   ``test_loss``: pooled test loss.
 - ``bytes_up`` / ``bytes_down``: payloads of the round, counted where sent;
-  ``rejected``: uploads the server refused (non-finite values, ...).
+  ``rejected``: uploads the server refused (non-finite values, absurd norms);
+  ``failed``: contacted clients that never replied (``scenario.failure_rate``).
+- ``epsilon``: with local differential privacy (``privacy:``), the largest ε
+  any client has spent so far (at the configured δ; :mod:`fedcluster.privacy`);
+  empty without it.
 - ``purity`` (JGL Sec. III-A-3), ``ari``, ``nmi`` against the ground-truth
   groups, and ``n_clusters``, for algorithms that cluster clients.
 - ``client_seconds`` (client computations), ``server_seconds`` (the rest of
@@ -39,6 +44,8 @@ COLUMNS = [
     "bytes_up",
     "bytes_down",
     "rejected",
+    "failed",
+    "epsilon",
     "client_seconds",
     "server_seconds",
     "eval_seconds",

@@ -2,12 +2,17 @@
 
 Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
 ``metrics.csv`` (one row per round x algorithm x seed), ``clusters.csv``
-(client -> cluster per round, with the true group), ``summary.json`` and
-``checkpoints/``. Checkpoints are written atomically every
-``checkpoint_every`` rounds; :func:`resume` continues a killed run so that
-``metrics.csv`` equals that of an uninterrupted run (timing columns aside):
-all randomness is derived from (seed, purpose, round, client), so the rounds
-after a checkpoint repeat exactly.
+(client -> cluster per round, with the true group; −1 for a client not
+present), ``events.csv`` (per job and round: faulty clients, joins,
+departures, drift, failures and rejections, each with client and detail),
+``summary.json`` and ``checkpoints/``. Checkpoints are written atomically
+every ``checkpoint_every`` rounds; :func:`resume` continues a killed run so
+that ``metrics.csv`` equals that of an uninterrupted run (timing columns
+aside): all randomness is derived from (seed, purpose, round, client), so the
+rounds after a checkpoint repeat exactly. A dynamic federation
+(:mod:`fedcluster.scenario`) is rebuilt on resume: each job drifts its own
+copy of the seed's federation, and a resumed job replays the drift events up
+to its checkpoint before continuing.
 """
 
 from __future__ import annotations
@@ -35,21 +40,31 @@ from fedcluster.config import (
     load_yaml,
     validate_config,
 )
+from fedcluster.data.drift import DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
-from fedcluster.data.partitions import make_partition
-from fedcluster.data.sources import load_dataset
+from fedcluster.data.partitions import Partition, make_partition
+from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.simulator import Simulator
+from fedcluster.errors import ConfigError
 from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
 from fedcluster.models import build_model
+from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.report import format_table, summary_rows
 from fedcluster.rng import numpy_rng
+from fedcluster.scenario import Scenario
 
 CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
+EVENT_COLUMNS = ["algorithm", "seed", "round", "client", "kind", "detail"]
 DIAGNOSTIC_COLUMNS = ["algorithm", "seed", "round", "name", "value"]
 
 
 def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
     """Load the dataset and partition it among clients, as the config says, for one seed."""
+    return build_federation(*load_partitioned(config, seed))
+
+
+def load_partitioned(config: ExperimentConfig, seed: int) -> tuple[Dataset, Partition]:
+    """The config's dataset and its partition among clients for one seed."""
     data = config.data
     dataset = load_dataset(
         data.dataset, data.data_dir, download=data.download, seed=seed, **data.options
@@ -60,17 +75,29 @@ def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
     partition = make_partition(
         name, dataset.train.y.numpy(), y_test, numpy_rng(seed, "partition"), **options
     )
-    return build_federation(dataset, partition)
+    return dataset, partition
 
 
-def select_clients(n_clients: int, config: ExperimentConfig, seed: int, rnd: int) -> np.ndarray:
-    """The round's participants: all, a fraction or a count, drawn from (seed, round)."""
+def select_clients(
+    n_clients: int,
+    config: ExperimentConfig,
+    seed: int,
+    rnd: int,
+    available: np.ndarray | None = None,
+) -> np.ndarray:
+    """The round's participants: all, a fraction or a count, drawn from (seed, round).
+
+    ``available`` (a mask, default: everyone) limits the draw to the clients
+    that can be reached (:mod:`fedcluster.scenario`); a fraction is then a
+    fraction of them.
+    """
+    candidates = np.arange(n_clients) if available is None else np.flatnonzero(available)
     p = config.participation
     if p.fraction is None and p.count is None:
-        return np.arange(n_clients)
-    k = p.count if p.count is not None else max(1, round(p.fraction * n_clients))
-    k = min(k, n_clients)
-    return np.sort(numpy_rng(seed, "participation", rnd).choice(n_clients, k, replace=False))
+        return candidates
+    k = p.count if p.count is not None else max(1, round(p.fraction * len(candidates)))
+    k = min(k, len(candidates))
+    return np.sort(numpy_rng(seed, "participation", rnd).choice(candidates, k, replace=False))
 
 
 @dataclass
@@ -91,6 +118,7 @@ class RunDirectory:
         self.metrics = self.path / "metrics.csv"
         self.clusters = self.path / "clusters.csv"
         self.diagnostics = self.path / "diagnostics.csv"
+        self.events = self.path / "events.csv"
         self.checkpoints = self.path / "checkpoints"
         self.artifacts = self.path / "artifacts"
 
@@ -101,6 +129,7 @@ class RunDirectory:
             (self.metrics, COLUMNS),
             (self.clusters, CLUSTER_COLUMNS),
             (self.diagnostics, DIAGNOSTIC_COLUMNS),
+            (self.events, EVENT_COLUMNS),
         )
         for path, header in tables:
             with open(path, "w", newline="") as f:
@@ -140,7 +169,7 @@ class RunDirectory:
             mine = r["algorithm"] == label and int(r["seed"]) == seed
             return not (mine and int(r["round"]) > after_round)
 
-        for path in (self.metrics, self.clusters, self.diagnostics):
+        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
             self._rewrite(path, keep)
 
     def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
@@ -150,7 +179,7 @@ class RunDirectory:
         def order(r: dict[str, str]) -> tuple:
             return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
 
-        for path in (self.metrics, self.clusters, self.diagnostics):
+        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
             self._rewrite(path, lambda r: True, order)
 
     def save_artifacts(self, label: str, seed: int, arrays: dict[str, np.ndarray]) -> None:
@@ -198,6 +227,18 @@ class Experiment:
             return self._federation
         return build_federation_for(self.config, seed)
 
+    def data(self, seed: int) -> tuple[Federation, DriftPool | None]:
+        """The seed's federation and, when a drift redraws samples, the pool it draws from."""
+        if not any(d.kind == "redistribute" for d in self.config.scenario.drift):
+            return self.federation(seed), None
+        if self._federation is not None:
+            raise ConfigError(
+                "scenario.drift: 'redistribute' redraws samples from the config's dataset; "
+                "it is not available for a federation passed in directly"
+            )
+        dataset, partition = load_partitioned(self.config, seed)
+        return build_federation(dataset, partition), DriftPool(dataset, partition)
+
     def model(self, federation: Federation) -> nn.Module:
         if self._model is not None:
             return self._model
@@ -221,7 +262,10 @@ class Experiment:
             rundir.create(self.config)
         results = []
         for seed in self.config.seeds:
-            federation = self.federation(seed)
+            federation, pool = self.data(seed)
+            scenario = Scenario(
+                self.config.scenario, federation.n_clients, seed, self.config.rounds
+            )
             model = self.model(federation)
             start_row = init_row(model, seed, "init")
             for spec in self.config.algorithms:
@@ -236,6 +280,7 @@ class Experiment:
                         resume,
                         progress,
                         stop_after_round,
+                        (scenario, pool),
                     )
                 )
         if resume:
@@ -254,11 +299,26 @@ class Experiment:
         resume: bool,
         progress: bool,
         stop_after_round: int | None,
+        dynamics: tuple[Scenario, DriftPool | None],
     ) -> JobResult:
         cfg = self.config
         label = spec.display_name()
+        scenario, pool = dynamics
+        if scenario.has_drift:  # each job drifts its own copy of the seed's federation
+            federation = federation.clone()
         sim = Simulator(model, federation, seed=seed, group_size=cfg.group_size)
-        ctx = Context(sim=sim, train=cfg.train.local(), seed=seed, init_row=start_row, comm=Comm())
+        ctx = Context(
+            sim=sim,
+            train=cfg.train.local(),
+            seed=seed,
+            init_row=start_row,
+            comm=Comm(),
+            bound=cfg.rejection.bound(),
+        )
+        privacy = LocalDP.install(ctx, cfg)  # local DP (None without a privacy section)
+        faulty = scenario.upload_transform()
+        if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
+            ctx.client_transforms.append(faulty)
         algorithm: Algorithm = ALGORITHMS[spec.name](spec.build_params(), ctx)
         ckpt_path = rundir.checkpoint_path(label, seed)
         first_round, state, rows, wall = 1, None, [], 0.0
@@ -271,8 +331,13 @@ class Experiment:
                 ckpt["wall_seconds"],
             )
             rundir.truncate_job(label, seed, ckpt["round"])
+            if privacy is not None:
+                privacy.load_state_dict(ckpt.get("privacy"))
         elif resume:
             rundir.truncate_job(label, seed, 0)
+        for event in scenario.drifts_through(first_round - 1):  # the data at the checkpoint
+            apply_drift(federation, event, pool)
+        ctx.set_masks(*scenario.masks(first_round))
         if state is None:
             state = algorithm.init_state()
         last = cfg.rounds if stop_after_round is None else min(cfg.rounds, stop_after_round)
@@ -286,7 +351,7 @@ class Experiment:
         )
         started = time.perf_counter() - wall
         for rnd in bar:
-            row = self._round(algorithm, state, rnd, seed, label, federation, rundir)
+            row = self._round(algorithm, state, rnd, seed, label, rundir, dynamics)
             rows.append(row)
             if not math.isnan(row["accuracy"]):
                 bar.set_postfix(acc=f"{row['accuracy']:.3f}", refresh=False)
@@ -297,6 +362,7 @@ class Experiment:
                         "state": state,
                         "rows": rows,
                         "wall_seconds": time.perf_counter() - started,
+                        "privacy": None if privacy is None else privacy.state_dict(),
                     },
                     ckpt_path,
                 )
@@ -312,17 +378,17 @@ class Experiment:
         rnd: int,
         seed: int,
         label: str,
-        federation: Federation,
         rundir: RunDirectory,
+        dynamics: tuple[Scenario, DriftPool | None],
     ) -> dict[str, object]:
         cfg = self.config
         ctx = algorithm.ctx
-        ctx.comm = Comm()
-        ctx.rejected = []
+        federation = ctx.sim.federation
+        events = start_round(ctx, rnd, *dynamics)
         client_before = ctx.sim.seconds
         t0 = time.perf_counter()
-        selected = select_clients(federation.n_clients, cfg, seed, rnd)
-        loss = algorithm.run_round(state, rnd, selected)
+        selected = select_clients(federation.n_clients, cfg, seed, rnd, ctx.available)
+        loss = algorithm.run_round(state, rnd, selected) if len(selected) else math.nan
         round_seconds = time.perf_counter() - t0
         client_seconds = ctx.sim.seconds - client_before
         row: dict[str, object] = {
@@ -333,13 +399,17 @@ class Experiment:
             "bytes_up": ctx.comm.up,
             "bytes_down": ctx.comm.down,
             "rejected": len(ctx.rejected),
+            "failed": len(ctx.failed),
+            "epsilon": reported_epsilon(ctx),
             "client_seconds": client_seconds,
             "server_seconds": round_seconds - client_seconds,
         }
         assign = algorithm.clusters(state)
+        if assign is not None:  # clients not (or no longer) in the federation: unassigned
+            assign = np.where(ctx.present, assign, -1)
         row.update(cluster_columns(assign, federation.groups))
         t1 = time.perf_counter()
-        if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+        if ctx.present.any() and (rnd % cfg.eval_every == 0 or rnd == cfg.rounds):
             row.update(accuracy_columns(algorithm.evaluate(state, rnd)))
         else:
             row.update(
@@ -347,6 +417,9 @@ class Experiment:
             )
         row["eval_seconds"] = time.perf_counter() - t1
         rundir.append(rundir.metrics, [format_row(row)])
+        events += ctx.events
+        if events:
+            rundir.append(rundir.events, [[label, seed, rnd, *event] for event in events])
         diagnostics = algorithm.diagnostics(state)
         if diagnostics:
             rundir.append(
@@ -363,6 +436,24 @@ class Experiment:
                 ],
             )
         return row
+
+
+def start_round(
+    ctx: Context, rnd: int, scenario: Scenario, pool: DriftPool | None
+) -> list[tuple[int, str, str]]:
+    """Prepare round ``rnd`` of a job: the scenario's masks in ``ctx``, the round's drift applied.
+
+    Returns the round's scenario events ``(client, kind, detail)`` for
+    ``events.csv``: the faulty clients (round 1), joins, departures and drift.
+    """
+    ctx.start_round(*scenario.masks(rnd))
+    events = [(c, "faulty", fault) for c, fault in scenario.faulty()] if rnd == 1 else []
+    events += [(int(c), "join", "") for c in scenario.joins(rnd)]
+    events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
+    for event in scenario.drifts(rnd):
+        detail = apply_drift(ctx.sim.federation, event, pool)
+        events.append((event.client, "drift", f"{event.kind}: {detail}"))
+    return events
 
 
 def _finite(values: list[float]) -> list[float]:

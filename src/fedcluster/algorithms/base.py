@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -85,14 +86,47 @@ class Exchange:
     loss: torch.Tensor
 
 
+@dataclass(frozen=True)
+class UpdateBound:
+    """Server-side rejection of absurdly large updates, in :meth:`Context.exchange`.
+
+    An update u_i = w_i − w_start (after the client transforms) is rejected
+    when ‖u_i‖ > ``max_norm``, or when ‖u_i‖ > ``norm_factor`` × the median
+    norm of the finite updates of the same exchange -- a robust yardstick as
+    long as fewer than half the clients misbehave (cf. the median rules of
+    Byzantine-robust aggregation, Yin et al., ICML 2018). The relative rule
+    needs at least ``MEDIAN_MIN_UPDATES`` finite updates (a median of one or
+    two is no yardstick) and a positive median; ``None`` switches a rule off.
+    The default factor of 100 only catches updates no honest client sends.
+    """
+
+    norm_factor: float | None = 100.0
+    max_norm: float | None = None
+
+
+MEDIAN_MIN_UPDATES = 3  # finite updates an exchange needs for UpdateBound's relative rule
+
+
 @dataclass
 class Context:
     """What an algorithm may use: the backend, local-training defaults, seed, initial model.
 
     :meth:`exchange` is the one path by which client models reach the server:
     it runs the clients' local training, counts the upload, and rejects
-    malformed updates (non-finite values) before any aggregation or clustering,
-    logging the client and recording it in ``rejected``.
+    malformed updates (non-finite values, norms beyond ``bound``) before any
+    aggregation or clustering, logging the client and recording it in
+    ``rejected``.
+
+    Dynamic federations (:mod:`fedcluster.scenario`). The runner calls
+    :meth:`start_round` before every round with the clients that are
+    ``present`` (joined and not departed: the federation of that round,
+    evaluated by :meth:`Algorithm.evaluate`), ``available`` (present and
+    reachable: the runner selects among them, and an algorithm that contacts
+    clients on its own -- a clustering round, a cold start -- contacts only
+    these) and ``failing`` (they receive what the server sends but never
+    reply). All clients are present and available, and none fails, unless
+    told otherwise. A failing client's broadcast is counted by the algorithm
+    as usual; it trains nothing and uploads nothing (:meth:`respond`).
     """
 
     sim: Simulator
@@ -102,6 +136,48 @@ class Context:
     comm: Comm = field(default_factory=Comm)
     rejected: list[int] = field(default_factory=list)
     client_transforms: list[UploadTransform] = field(default_factory=list)
+    bound: UpdateBound = field(default_factory=UpdateBound)
+    failed: list[int] = field(default_factory=list)
+    events: list[tuple[int, str, str]] = field(default_factory=list)
+    """The round's ``(client, kind, detail)`` records: ``failed`` and ``rejected``."""
+    present: np.ndarray = field(init=False)
+    available: np.ndarray = field(init=False)
+    failing: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.set_masks()
+
+    def start_round(
+        self,
+        present: np.ndarray | None = None,
+        available: np.ndarray | None = None,
+        failing: np.ndarray | None = None,
+    ) -> None:
+        """Clear the round's bytes, rejections, failures and events; set the round's masks."""
+        self.comm = Comm()
+        self.rejected = []
+        self.failed = []
+        self.events = []
+        self.set_masks(present, available, failing)
+
+    def set_masks(
+        self,
+        present: np.ndarray | None = None,
+        available: np.ndarray | None = None,
+        failing: np.ndarray | None = None,
+    ) -> None:
+        """Who is present, available and failing (boolean [n_clients]).
+
+        By default everyone is present and available and nobody fails.
+        """
+        n = self.n_clients
+        self.present = np.ones(n, dtype=bool) if present is None else np.asarray(present)
+        self.available = self.present.copy() if available is None else np.asarray(available)
+        self.failing = np.zeros(n, dtype=bool) if failing is None else np.asarray(failing)
+
+    def available_clients(self) -> np.ndarray:
+        """Ids of the clients the server can reach this round."""
+        return np.flatnonzero(self.available)
 
     @property
     def n_clients(self) -> int:
@@ -134,20 +210,49 @@ class Context:
     ) -> Exchange:
         """Clients train from ``start`` ([n, d] or [d]) and upload their models.
 
-        Counts ``dim`` floats plus ``ints`` integers uploaded per client (the
-        caller counts what it broadcast). Updates with NaN or Inf are rejected.
+        Counts ``dim`` floats plus ``ints`` integers uploaded per replying
+        client (the caller counts what it broadcast). Failing clients
+        (:meth:`respond`) neither train nor upload; updates with NaN or Inf,
+        or beyond ``bound`` (:meth:`accept_bounded`), are rejected.
         """
         clients = np.asarray(clients, dtype=np.int64)
+        start_rows = start.expand(len(clients), -1) if start.dim() == 1 else start
+        reply = self.respond(clients, rnd)
+        if not reply.all():
+            clients, start, start_rows = clients[reply], start_rows[reply], start_rows[reply]
+        if not len(clients):
+            return Exchange(reply, clients, torch.empty(0, self.dim), torch.empty(0))
         result = self.sim.train(clients, start, cfg or self.train, rnd, purpose)
         rows = result.rows
-        if self.client_transforms:
-            start_rows = start.expand(len(clients), -1) if start.dim() == 1 else start
-            for transform in self.client_transforms:
-                rows = transform(clients, start_rows, rows, rnd)
+        for transform in self.client_transforms:
+            rows = transform(clients, start_rows, rows, rnd)
         self.comm.upload(len(clients), floats=self.dim, ints=ints)
         keep = self.accept_finite(clients, rows, rnd, "update")
+        keep &= self.accept_bounded(clients, rows - start_rows, keep, rnd)
         mask = torch.as_tensor(keep)
-        return Exchange(keep, clients[keep], rows[mask], result.loss[mask])
+        asked = reply.copy()
+        asked[reply] = keep
+        return Exchange(asked, clients[keep], rows[mask], result.loss[mask])
+
+    def respond(self, clients: np.ndarray, rnd: int) -> np.ndarray:
+        """Mask over ``clients`` of those that reply; the ``failing`` ones are logged in ``failed``.
+
+        A failing client received what the server sent (the caller's
+        broadcast counts it) but sends nothing back; it is recorded once per
+        round however often it is asked.
+        """
+        reply = ~self.failing[clients]
+        for c in clients[~reply]:
+            if int(c) not in self.failed:
+                log.info("round %d: client %d did not reply", rnd, c)
+                self.failed.append(int(c))
+                self.events.append((int(c), "failed", "no reply"))
+        return reply
+
+    def _reject(self, client: int, rnd: int, what: str, reason: str) -> None:
+        log.warning("round %d: rejected the %s of client %d (%s)", rnd, what, client, reason)
+        self.rejected.append(int(client))
+        self.events.append((int(client), "rejected", f"{what}: {reason}"))
 
     def accept_finite(
         self, clients: np.ndarray, payload: torch.Tensor, rnd: int, what: str
@@ -160,8 +265,26 @@ class Context:
         """
         keep = torch.isfinite(payload.flatten(1)).all(dim=1).numpy()
         for c in clients[~keep]:
-            log.warning("round %d: rejected the %s of client %d (non-finite values)", rnd, what, c)
-            self.rejected.append(int(c))
+            self._reject(c, rnd, what, "non-finite values")
+        return keep
+
+    def accept_bounded(
+        self, clients: np.ndarray, updates: torch.Tensor, finite: np.ndarray, rnd: int
+    ) -> np.ndarray:
+        """Mask over ``clients`` of the ``finite`` ones whose update [n, d] is within ``bound``.
+
+        The others among the finite ones are rejected (see :class:`UpdateBound`).
+        """
+        norms = updates.double().norm(dim=1).numpy()
+        limit = math.inf if self.bound.max_norm is None else self.bound.max_norm
+        ok_norms = norms[finite]
+        if self.bound.norm_factor is not None and len(ok_norms) >= MEDIAN_MIN_UPDATES:
+            median = float(np.median(ok_norms))
+            if median > 0.0:
+                limit = min(limit, self.bound.norm_factor * median)
+        keep = finite & (norms <= limit)
+        for c, norm in zip(clients[finite & ~keep], norms[finite & ~keep], strict=True):
+            self._reject(c, rnd, "update", f"norm {norm:.3g} > {limit:.3g}")
         return keep
 
 
@@ -208,13 +331,16 @@ class Algorithm(ABC):
 
     @abstractmethod
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        """Models [M, d] and, for every client, the index of the model it uses."""
+        """Models [M, d] and, for every client, the index of the model it uses.
+
+        Only present clients' entries are used (a client not present may get −1).
+        """
 
     def evaluate(self, state: State, rnd: int) -> EvalResult:
-        """Test accuracy of every client with the model it would use."""
+        """Test accuracy of every present client with the model it would use."""
         rows, model_of_client = self.eval_rows(state)
-        clients = np.arange(self.ctx.n_clients)
-        return self.ctx.sim.evaluate(clients, rows, model_of_client)
+        clients = np.flatnonzero(self.ctx.present)
+        return self.ctx.sim.evaluate(clients, rows, model_of_client[clients])
 
     def clusters(self, state: State) -> np.ndarray | None:
         """Cluster id of every client (−1 unassigned), or ``None`` for unclustered methods."""

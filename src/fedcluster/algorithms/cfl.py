@@ -39,6 +39,29 @@ Choices where the paper is silent or the code differs, taken here:
   (:meth:`~fedcluster.algorithms.base.Context.exchange`) counts as absent: its
   cluster averages the accepted updates and is not examined for a split that
   round; a round without an accepted update changes nothing.
+
+Dynamic federations (:mod:`fedcluster.scenario`; an extension, Sattler et al.
+assume a fixed population):
+
+- "All its members" means all its *present* members (``ctx.present``): a
+  client that has not joined yet, or has left, does not block a split; the
+  split partitions the participants, and members not present leave the tree
+  (unassigned, −1).
+- Newcomers (selected clients without a cluster). Before the first split
+  they simply join the one cluster. After it, a newcomer receives the root
+  model θ_root (the model of the first cluster split, the FedAvg stationary
+  point the tree grows from), trains one round from it and joins the cluster
+  c maximising cos(Δθ_new, θ_c − θ_root), the direction in which that cluster
+  has moved away from the root (as FedGroup's eq. 9 compares a newcomer's
+  update with the groups' directions). Cost: θ_root down and the update up;
+  the cluster model follows with the round's broadcast, and the newcomer
+  trains with its cluster in the same round. A failed or rejected newcomer
+  stays unassigned and is a newcomer again when next selected. Unassigned
+  clients are evaluated with θ_root.
+- Drift: no dedicated reaction. A drifting client keeps its cluster; its
+  now incongruent update can make its cluster meet the split criteria again,
+  so it may be split off with the clients that agree with it, but it never
+  moves to another existing cluster.
 """
 
 from __future__ import annotations
@@ -49,7 +72,7 @@ from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
-from fedcluster.clustering.distances import cosine_similarity_matrix
+from fedcluster.clustering.distances import cosine_similarity_matrix, cosine_to
 from fedcluster.clustering.methods import bipartition
 from fedcluster.engine.flat import weighted_average
 
@@ -90,11 +113,18 @@ class CFL(Algorithm):
             # part; the halves of a split report their parent's).
             "update_norms": np.full((1, 2), np.nan),
             "split_rounds": [],
+            "root": None,  # θ_root, the model of the first cluster split (newcomers start here)
         }
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
+        newcomers = selected[self.clusters(state)[selected] < 0]
+        if len(newcomers):
+            self.assign_newcomers(state, newcomers, rnd)
         labels = self.clusters(state)[selected]
+        selected, labels = selected[labels >= 0], labels[labels >= 0]  # failed newcomers sit out
+        if not len(selected):
+            return float("nan")
         start = state["models"][labels]
         ctx.comm.broadcast(len(selected), floats=ctx.dim)
         ex = ctx.exchange(selected, start, rnd, ints=1)  # update and sample count
@@ -111,12 +141,16 @@ class CFL(Algorithm):
             if len(part):
                 mean = weighted_average(updates[part], torch.as_tensor(sizes[part]))
                 norm = (float(mean.norm()), float(updates[part].norm(dim=1).max()))
-                if len(part) == len(members) and rnd > self.params.warmup_rounds:
-                    halves = self._split(selected[part], updates[part], norm)
+                everyone = len(part) == int(ctx.present[members].sum())
+                if everyone and rnd > self.params.warmup_rounds:
+                    split = self._split(selected[part], updates[part], norm)
+                    halves = split if len(split) == 2 else halves
             else:
                 norm = (np.nan, np.nan)
             if len(halves) == 2:
                 state["split_rounds"].append(rnd)
+                if state["root"] is None:
+                    state["root"] = state["models"][c].clone()
             clusters += halves
             models += [state["models"][c]] * len(halves)
             norms += [norm] * len(halves)
@@ -146,8 +180,28 @@ class CFL(Algorithm):
                 return [members]
         return [np.sort(first), np.sort(second)]
 
+    def assign_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> None:
+        """Place clients without a cluster (module docstring: newcomers)."""
+        if len(state["clusters"]) == 1:
+            state["clusters"][0] = np.union1d(state["clusters"][0], clients)
+            return
+        ctx = self.ctx
+        root = state["root"]
+        ctx.comm.broadcast(len(clients), floats=ctx.dim)
+        ex = ctx.exchange(clients, root, rnd, purpose="newcomer")
+        if not len(ex.clients):
+            return
+        choice = cosine_to(ex.rows - root, state["models"] - root).argmax(dim=1).numpy()
+        for c in np.unique(choice):
+            state["clusters"][c] = np.union1d(state["clusters"][c], ex.clients[choice == c])
+
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return state["models"], self.clusters(state)
+        """Cluster models; unassigned clients (module docstring) use θ_root."""
+        labels = self.clusters(state)
+        if (labels >= 0).all():
+            return state["models"], labels
+        rows = torch.cat([state["models"], state["root"].unsqueeze(0)])
+        return rows, np.where(labels >= 0, labels, len(state["models"]))
 
     def clusters(self, state: State) -> np.ndarray:
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)

@@ -47,10 +47,32 @@ whose participants was accepted keeps its model. In the clustering round the
 upload (FL+HC's model, CFLGT's trajectory) of every client is checked the same
 way: non-finite ones are rejected (logged, ``ctx.rejected``) and only the
 accepted clients are clustered. A rejected client stays unassigned (−1) for
-good: it trains no more and is evaluated with the pre-trained global model
-h_g. If no client can be clustered (every upload rejected, or for FL+HC fewer
-accepted updates than clusters), the state is unchanged and the next round
-repeats the clustering round.
+good (``state["excluded"]``): it trains no more and is evaluated with the
+pre-trained global model h_g. If no client can be clustered (every upload
+rejected, or for FL+HC fewer accepted updates than clusters), the state is
+unchanged and the next round repeats the clustering round.
+
+Dynamic federations (:mod:`fedcluster.scenario`). "Every client" of the
+clustering round is every client the server can reach in that round
+(``ctx.available``); participants are drawn among reachable clients too.
+Clients that joined later, or were unreachable or failed in the clustering
+round, are *newcomers* when they are first drawn afterwards: each subclass
+places them by its own upload (:meth:`OneShotClustering.place_newcomers`), and
+they then train with their cluster in the same round. A newcomer whose upload
+fails or is rejected stays unassigned and is a newcomer again when next drawn.
+CFLGT and Briggs et al. define no newcomer rule (CFLGT Sec. VI names it
+future work), so both rules are extensions:
+
+- CFLGT: the newcomer receives h_g, computes its trajectory at h_g (the model
+  the members' trajectories were computed at) and joins the cluster whose
+  members' trajectories are nearest on average (the distance of Sec. IV-B);
+- FL+HC: the newcomer trains from h_g like the clients of the clustering round
+  and joins the cluster whose mean clustering-round update ΔW is nearest
+  (euclidean, the metric of the hierarchical clustering).
+
+Drift: no reaction. Clients never change cluster after the clustering round
+(CFLGT Sec. V-A: "each client will not be moved to another group"; FL+HC
+clusters once as well).
 """
 
 from __future__ import annotations
@@ -71,7 +93,7 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.algorithms.fedavg import FedAvg
-from fedcluster.clustering.distances import trajectory_distance_matrix
+from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
 from fedcluster.engine.trajectory import gradient_trajectories
@@ -88,9 +110,10 @@ class OneShotClustering(Algorithm):
     """Pre-train FedAvg, cluster all clients once, then per-cluster FedAvg.
 
     State: ``global`` (the pre-trained model [d]), ``models`` (cluster models
-    [K, d], empty before clustering) and ``assign`` (cluster of every client,
-    −1 before clustering). Subclasses provide :meth:`cluster_clients` and may
-    override :meth:`participants`.
+    [K, d], empty before clustering), ``assign`` (cluster of every client,
+    −1 before clustering) and ``excluded`` (clients whose clustering-round
+    upload was rejected). Subclasses provide :meth:`cluster_clients` and
+    :meth:`place_newcomers` and may override :meth:`participants`.
     """
 
     Params = OneShotParams
@@ -104,6 +127,7 @@ class OneShotClustering(Algorithm):
             "global": self.ctx.init_row.clone(),
             "models": torch.empty(0, self.ctx.dim),
             "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
+            "excluded": np.zeros(self.ctx.n_clients, dtype=bool),
         }
 
     @staticmethod
@@ -118,16 +142,27 @@ class OneShotClustering(Algorithm):
             if (labels >= 0).any():
                 state["assign"] = labels
                 state["models"] = state["global"].unsqueeze(0).repeat(int(labels.max()) + 1, 1)
+                state["excluded"][self.ctx.rejected] = True
             return loss
-        return self.cluster_fedavg(state, rnd, self.participants(state, rnd, selected))
+        participants = self.participants(state, rnd, selected)
+        assign = state["assign"]
+        newcomers = participants[(assign[participants] < 0) & ~state["excluded"][participants]]
+        if len(newcomers):
+            assign[newcomers] = self.place_newcomers(state, newcomers, rnd)
+        return self.cluster_fedavg(state, rnd, participants)
 
     @abstractmethod
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
-        """Cluster labels 0..K−1 of all clients from ``state["global"]``, and the round's loss.
+        """Cluster labels 0..K−1 of the reachable clients from ``state["global"]``; round loss.
 
-        −1 labels a client whose upload was rejected; all −1 means that nothing
-        could be clustered (the next round tries again).
+        −1 labels a client not clustered (unreachable, failed, or its upload
+        rejected); all −1 means that nothing could be clustered (the next
+        round tries again).
         """
+
+    @abstractmethod
+    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+        """The cluster of each newcomer in ``clients`` (−1: its upload failed or was rejected)."""
 
     def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
         """The clients that train in a clustered round (default: the runner's selection)."""
@@ -192,31 +227,63 @@ class CFLGT(OneShotClustering):
     Params = CFLGTParams
 
     def init_state(self) -> State:
-        return {**super().init_state(), "trajectories": None, "cv": None, "hopkins": None}
+        return {
+            **super().init_state(),
+            "trajectories": None,
+            "trajectory_clients": None,
+            "cv": None,
+            "hopkins": None,
+        }
+
+    def trajectories(
+        self, state: State, clients: np.ndarray, rnd: int
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """Clients receive h_g and upload their trajectories (eqs. 6-8): accepted ids and [m, C, 2].
+
+        Costs each client h_g down and 2·C floats up (if it replies).
+        """
+        ctx = self.ctx
+        ctx.comm.broadcast(len(clients), floats=ctx.dim)
+        clients = clients[ctx.respond(clients, rnd)]
+        if not len(clients):
+            return clients, torch.empty(0)
+        traj = gradient_trajectories(ctx.sim, clients, state["global"], self.params.normalise)
+        ctx.comm.upload(len(clients), floats=traj[0].numel())
+        keep = ctx.accept_finite(clients, traj, rnd, "trajectory")
+        return clients[keep], traj[torch.as_tensor(keep)]
 
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
         ctx = self.ctx
         p = self.params
-        everyone = np.arange(ctx.n_clients)
-        ctx.comm.broadcast(ctx.n_clients, floats=ctx.dim)
-        traj = gradient_trajectories(ctx.sim, everyone, state["global"], p.normalise)
-        ctx.comm.upload(ctx.n_clients, floats=traj[0].numel())
-        keep = ctx.accept_finite(everyone, traj, rnd, "trajectory")
+        clients, traj = self.trajectories(state, ctx.available_clients(), rnd)
         labels = np.full(ctx.n_clients, -1, dtype=np.int64)
-        if not keep.any():
+        if not len(clients):
             return labels, float("nan")
-        traj = traj[torch.as_tensor(keep)]
-        labels[keep] = affinity_propagation(
+        labels[clients] = affinity_propagation(
             -trajectory_distance_matrix(traj),
             preference=p.preference,
             damping=p.damping,
             random_state=int(numpy_rng(ctx.seed, "cflgt/affinity").integers(2**31)),
         )
         state["trajectories"] = traj
+        state["trajectory_clients"] = clients
         state["cv"] = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
         if len(traj) >= 2:
             state["hopkins"] = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
         return labels, float("nan")
+
+    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+        """Nearest cluster by mean trajectory distance to its members (module docstring)."""
+        labels = np.full(len(clients), -1, dtype=np.int64)
+        accepted, traj = self.trajectories(state, clients, rnd)
+        if not len(accepted):
+            return labels
+        dist = trajectory_distance_to(traj, state["trajectories"])  # [m, M]
+        member_of = state["assign"][state["trajectory_clients"]]
+        k = len(state["models"])
+        mean = torch.stack([dist[:, member_of == c].mean(dim=1) for c in range(k)], dim=1)
+        labels[np.isin(clients, accepted)] = mean.argmin(dim=1).numpy()
+        return labels
 
     def diagnostics(self, state: State) -> dict[str, float]:
         if state["trajectories"] is None:
@@ -237,11 +304,16 @@ class CFLGT(OneShotClustering):
         if p.cluster_fraction is None:
             return selected
         rng = numpy_rng(self.ctx.seed, "cflgt/participants", rnd)
+        reachable = self.ctx.available
         if p.sampling == "global":
-            groups = [np.arange(self.ctx.n_clients)]
-        else:
-            groups = [np.flatnonzero(state["assign"] == c) for c in range(len(state["models"]))]
+            groups = [np.flatnonzero(reachable)]
+        else:  # each cluster, then the clients without one (newcomers)
+            labels = np.where(state["excluded"], -2, state["assign"])
+            order = [*range(len(state["models"])), -1]
+            groups = [np.flatnonzero(reachable & (labels == c)) for c in order]
         drawn = [
-            rng.choice(g, max(1, round(p.cluster_fraction * len(g))), replace=False) for g in groups
+            rng.choice(g, max(1, round(p.cluster_fraction * len(g))), replace=False)
+            for g in groups
+            if len(g)
         ]
-        return np.sort(np.concatenate(drawn))
+        return np.sort(np.concatenate(drawn)) if drawn else np.empty(0, np.int64)

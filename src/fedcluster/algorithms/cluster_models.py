@@ -12,6 +12,11 @@ left out: those clients keep their previous cluster id, a cluster none of whose
 choosers was accepted keeps its model (and gets Δw_k = 0, as an unchosen
 cluster does), and a round without an accepted upload changes nothing.
 
+Dynamic federations (:mod:`fedcluster.scenario`): every selected client
+chooses its cluster every round, so a newcomer needs no special rule and a
+drifting client re-chooses by itself; the good initializer looks at the
+clients present at the start.
+
 Initial models are independent random initialisations, all equal, or IFCA's
 "good initializer": the reference code re-draws random initial models until
 every cluster is chosen (by loss) by at least ``min_cluster_share`` of the
@@ -80,8 +85,8 @@ class ClusterModelAlgorithm(Algorithm):
         models = ctx.fresh_rows(p.n_clusters, "cluster-init/0")
         if p.min_cluster_share <= 0.0:
             return models
-        need = int(np.ceil(p.min_cluster_share * ctx.n_clients))
-        clients = np.arange(ctx.n_clients)
+        clients = np.flatnonzero(ctx.present)
+        need = int(np.ceil(p.min_cluster_share * len(clients)))
         for attempt in range(p.max_redraws):
             if attempt:
                 models = ctx.fresh_rows(p.n_clusters, f"cluster-init/{attempt}")
@@ -127,9 +132,10 @@ class ClusterModelAlgorithm(Algorithm):
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         assign = state["assign"].copy()
-        unknown = np.flatnonzero(assign < 0)
+        unknown = np.flatnonzero((assign < 0) & self.ctx.present)
         if len(unknown):
-            # Never-selected clients pick the model with the lowest loss, as IFCA does.
+            # Never-selected clients pick the model with the lowest loss, as IFCA does
+            # (clients not present keep −1: nobody evaluates them).
             loss, _ = self.ctx.sim.losses_and_grads(
                 unknown, state["models"], self.ctx.train, 0, "eval-choice", False
             )

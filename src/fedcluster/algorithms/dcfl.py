@@ -47,6 +47,13 @@ Choices where the paper is silent, taken here:
   selected. A round without an accepted update changes nothing.
 - ``state["dunn"]`` is the DI that decided the round (that of the clustering
   in force during the round); ``state["reclusterings"]`` counts re-clusterings.
+
+Dynamic federations (:mod:`fedcluster.scenario`), the setting DCFL was built
+for (Sec. III): a client joining after round 1 is a newcomer when first
+selected (eq. 6 above); a failed newcomer is treated like a rejected one. A
+drifting client's update leaves its cluster, the Dunn index drops below 1 and
+the round's updates are re-clustered (eq. 4), which moves the client -- the
+paper's reaction to drift, nothing else is needed.
 """
 
 from __future__ import annotations

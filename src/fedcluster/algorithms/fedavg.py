@@ -98,9 +98,9 @@ class FedAvgFT(FedAvg):
     def evaluate(self, state: State, rnd: int) -> EvalResult:
         ctx = self.ctx
         p = self.params
-        clients = np.arange(ctx.n_clients)
+        clients = np.flatnonzero(ctx.present)
         cfg = ctx.local(epochs=p.ft_epochs, steps=None, lr=p.ft_lr or ctx.train.lr, mu=0.0)
         tuned = ctx.sim.train(
             clients, state["global"], cfg, rnd, purpose="finetune", classifier_only=True
         )
-        return ctx.sim.evaluate(clients, tuned.rows, clients)
+        return ctx.sim.evaluate(clients, tuned.rows, np.arange(len(clients)))

@@ -46,6 +46,15 @@ start cannot group them: the round ends without training (loss NaN) and the
 next round retries with a fresh draw of clients (``state["cold_start_retries"]``
 keys the draw; the first draw is unchanged). A round without an accepted update
 changes no model.
+
+Dynamic federations (:mod:`fedcluster.scenario`). The group cold start draws
+its α·m clients among the clients reachable in its round (waiting for a round
+with at least as many reachable clients as it needs); every client that joins
+later is a cold client and is placed by the client cold start (eq. 9), the
+paper's newcomer mechanism ("the new devices can join the training at any
+time", Sec. III-D). A failed pre-training client is treated like a rejected
+one. Drift: no reaction -- groups are static once assigned (the paper has no
+migration; its successor FlexCFL adds one).
 """
 
 from __future__ import annotations
@@ -171,8 +180,9 @@ class FedGroup(Algorithm):
     def group_cold_start(self, state: State) -> None:
         """Alg. 3 (or RCC): pre-train random clients, group them, set models and directions.
 
-        Needs at least one accepted update per group (and 3 for MADC); with
-        fewer, nothing is grouped and the next call draws other clients.
+        The clients are drawn among those reachable this round. Needs at
+        least one accepted update per group (and 3 for MADC); with fewer,
+        nothing is grouped and the next call draws other clients.
         """
         p = self.params
         ctx = self.ctx
@@ -183,9 +193,17 @@ class FedGroup(Algorithm):
                 f"fedgroup.pretrain_scale: the group cold start needs {need} pre-training "
                 f"clients, got {size}"
             )
+        available = ctx.available_clients()
+        if len(available) < need:
+            log.warning(
+                "fedgroup: %d clients reachable, the group cold start needs %d; waiting",
+                len(available),
+                need,
+            )
+            return
         retry = state["cold_start_retries"]
         rng = numpy_rng(ctx.seed, "fedgroup/pretrain-clients", *([retry] if retry else []))
-        clients = np.sort(rng.choice(ctx.n_clients, size, replace=False))
+        clients = np.sort(rng.choice(available, min(size, len(available)), replace=False))
         ex = self.pretrain(clients)
         if len(ex.clients) < need:
             log.warning(

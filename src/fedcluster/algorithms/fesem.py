@@ -34,6 +34,15 @@ no part in the E- and M-steps; those clients keep their cluster. A round
 without an accepted model changes nothing; with ``init="clients"``, a first
 round with fewer than K accepted models seeds no centres, and the next round
 tries again from the shared initial model.
+
+Dynamic federations (:mod:`fedcluster.scenario`). A newcomer is a client
+without a cluster: it trains from the mean of the centres and the E-step
+assigns it to the nearest centre, as any client (Xie et al. need no special
+rule). With ``init="clients"``, fewer than K selected clients in the seeding
+round is a configuration error when every client was reachable (the
+participation is too small ever to seed), and otherwise a round to wait.
+Drift: the E-step re-assigns every participant each round, so a drifting
+client moves to the centre nearest its new local model by itself.
 """
 
 from __future__ import annotations
@@ -107,6 +116,8 @@ class FeSEM(Algorithm):
         ctx = self.ctx
         p = self.params
         if not state["seeded"] and len(selected) < p.n_clusters:
+            if not ctx.available.all():
+                return float("nan")  # wait for enough reachable clients (module docstring)
             raise ConfigError(
                 f"fesem.n_clusters: init='clients' needs at least {p.n_clusters} clients "
                 f"in the first round, got {len(selected)}"

@@ -3,7 +3,7 @@ updates to improve training on non-IID data", IJCNN 2020.
 
 1. ``pretrain_rounds`` rounds of FedAvg of the global model (the runner's
    selected clients);
-2. one clustering round: *every* client trains from the global model with the
+2. one clustering round: *every* (reachable) client trains from the global model with the
    usual local-training settings and uploads its model; the server clusters
    the (accepted) updates ΔW_i = w_i − w_global by agglomerative hierarchical
    clustering with euclidean distance and the chosen linkage (Briggs et al.
@@ -14,7 +14,10 @@ updates to improve training on non-IID data", IJCNN 2020.
    their own cluster's model, and clients never change cluster.
 
 The clustering round's locally trained models only serve the clustering, as
-in the paper. The default 25 pre-training rounds and 5 clusters follow CFLGT's
+in the paper; each cluster's mean update ΔW is kept (``state["mean_updates"]``)
+to place newcomers (see :mod:`fedcluster.algorithms.cflgt`: a newcomer trains
+from the global model and joins the cluster with the nearest mean update).
+The default 25 pre-training rounds and 5 clusters follow CFLGT's
 comparison (cflgt-gradient-trajectory.md Sec. V-A: 25 pre-training rounds;
 scenario 1 has 5 groups; Table II runs FL+HC with 10, 20 and 30 clusters).
 The schedule is shared with CFLGT (:class:`~fedcluster.algorithms.cflgt.OneShotClustering`).
@@ -25,8 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 from pydantic import Field, model_validator
 
+from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import State, log, register, weighted_loss
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotParams
 from fedcluster.clustering.methods import Linkage, hierarchical
@@ -63,6 +68,9 @@ class FLHC(OneShotClustering):
     name = "flhc"
     Params = FLHCParams
 
+    def init_state(self) -> State:
+        return {**super().init_state(), "mean_updates": torch.empty(0, self.ctx.dim)}
+
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
         ctx = self.ctx
         p = self.params
@@ -70,8 +78,9 @@ class FLHC(OneShotClustering):
             raise ConfigError(
                 f"flhc.n_clusters: {p.n_clusters} clusters for only {ctx.n_clients} clients"
             )
-        ctx.comm.broadcast(ctx.n_clients, floats=ctx.dim)
-        ex = ctx.exchange(np.arange(ctx.n_clients), state["global"], rnd)
+        clients = ctx.available_clients()
+        ctx.comm.broadcast(len(clients), floats=ctx.dim)
+        ex = ctx.exchange(clients, state["global"], rnd)
         loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
         labels = np.full(ctx.n_clients, -1, dtype=np.int64)
         if len(ex.clients) < (p.n_clusters or 1):
@@ -81,10 +90,27 @@ class FLHC(OneShotClustering):
                 p.n_clusters,
             )
             return labels, loss
+        updates = ex.rows - state["global"]
         labels[ex.clients] = hierarchical(
-            features=ex.rows - state["global"],
+            features=updates,
             n_clusters=p.n_clusters,
             distance_threshold=p.distance_threshold,
             linkage=p.linkage,
         )
+        found = labels[ex.clients]
+        state["mean_updates"] = cluster_average(
+            updates, found, torch.zeros(int(found.max()) + 1, ctx.dim)
+        )
         return labels, loss
+
+    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+        """Nearest mean clustering-round update (:mod:`fedcluster.algorithms.cflgt`)."""
+        ctx = self.ctx
+        labels = np.full(len(clients), -1, dtype=np.int64)
+        ctx.comm.broadcast(len(clients), floats=ctx.dim)
+        ex = ctx.exchange(clients, state["global"], rnd, purpose="newcomer")
+        if len(ex.clients):
+            updates = (ex.rows - state["global"]).double()
+            dist = torch.cdist(updates, state["mean_updates"].double())
+            labels[ex.keep] = dist.argmin(dim=1).numpy()
+        return labels

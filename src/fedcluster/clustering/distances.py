@@ -227,11 +227,26 @@ def trajectory_distance_matrix(trajectories: ArrayLike) -> torch.Tensor:
     between corresponding points. Any point dimension is accepted. Float64,
     symmetric, zero diagonal.
     """
-    t = torch.as_tensor(trajectories)
-    if t.ndim != 3 or t.shape[0] == 0 or t.shape[1] == 0:
-        raise ConfigError(
-            f"trajectories: expected a non-empty 3-D tensor [n, C, 2], got {tuple(t.shape)}"
-        )
-    per_class = t.to(torch.float64).transpose(0, 1)  # [C, n, 2]
-    dist = torch.cdist(per_class, per_class, compute_mode="donot_use_mm_for_euclid_dist")
-    return _distance_matrix(dist.mean(dim=0))
+    return _distance_matrix(trajectory_distance_to(trajectories, trajectories))
+
+
+def trajectory_distance_to(a: ArrayLike, b: ArrayLike) -> torch.Tensor:
+    """CFLGT trajectory distances [n, m] from trajectories ``a`` [n, C, 2] to ``b`` [m, C, 2].
+
+    The mean over the C classes of the L2 distance between corresponding
+    points, as :func:`trajectory_distance_matrix` (which is this with ``a = b``,
+    symmetrised); used to place newcomers. Float64.
+    """
+    per_class = []
+    for name, value in (("a", a), ("b", b)):
+        t = torch.as_tensor(value)
+        if t.ndim != 3 or t.shape[0] == 0 or t.shape[1] == 0:
+            raise ConfigError(
+                f"trajectories {name}: expected a non-empty 3-D tensor [n, C, 2], "
+                f"got {tuple(t.shape)}"
+            )
+        per_class.append(t.to(torch.float64).transpose(0, 1))  # [C, n, 2]
+    if per_class[0].shape[0] != per_class[1].shape[0]:
+        raise ConfigError("trajectories: a and b have different numbers of classes")
+    dist = torch.cdist(*per_class, compute_mode="donot_use_mm_for_euclid_dist")
+    return dist.mean(dim=0)

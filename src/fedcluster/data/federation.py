@@ -8,7 +8,7 @@ the training loop never touches Python objects per sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,6 +33,8 @@ class Federation:
     test_offsets: np.ndarray
     n_classes: int
     groups: np.ndarray | None = None
+    rotations: np.ndarray | None = None
+    """Degrees (counter-clockwise) by which each client's images are rotated, where known."""
 
     def __post_init__(self) -> None:
         for split, x, y, off in (
@@ -45,8 +47,10 @@ class Federation:
                 raise ValueError(f"federation {split} split: offsets must be non-decreasing")
         if len(self.train_offsets) != len(self.test_offsets):
             raise ValueError("federation: train and test splits have different client counts")
-        if self.groups is not None and len(self.groups) != self.n_clients:
-            raise ValueError("federation: groups must have one entry per client")
+        for name in ("groups", "rotations"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.n_clients:
+                raise ValueError(f"federation: {name} must have one entry per client")
 
     @property
     def n_clients(self) -> int:
@@ -63,6 +67,17 @@ class Federation:
     @property
     def test_sizes(self) -> np.ndarray:
         return np.diff(self.test_offsets)
+
+    def clone(self) -> Federation:
+        """A copy whose tensors and arrays can be changed without touching this one (drift)."""
+        return replace(
+            self,
+            x_train=self.x_train.clone(),
+            y_train=self.y_train.clone(),
+            x_test=self.x_test.clone(),
+            y_test=self.y_test.clone(),
+            rotations=None if self.rotations is None else self.rotations.copy(),
+        )
 
     def client_slice(self, client: int, split: str = "train") -> slice:
         off = self.train_offsets if split == "train" else self.test_offsets
@@ -112,4 +127,7 @@ def build_federation(dataset: Dataset, partition: Partition) -> Federation:
 
     train = [client_data(dataset.train, ix, c) for c, ix in enumerate(partition.train)]
     test = [client_data(test_split, ix, c) for c, ix in enumerate(partition.test)]
-    return Federation.from_clients(train, test, n_classes, partition.groups)
+    federation = Federation.from_clients(train, test, n_classes, partition.groups)
+    if partition.rotations is not None:
+        federation.rotations = np.asarray(partition.rotations, dtype=np.float64).copy()
+    return federation

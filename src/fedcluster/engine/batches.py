@@ -7,15 +7,26 @@ Batches follow ``DataLoader(shuffle=True, drop_last=False)``: each epoch is a
 fresh permutation cut into chunks of ``batch_size`` (the last may be smaller).
 With ``steps`` set, exactly that many batches are taken (FedGroup/JGL "tau
 local steps"), continuing into further epochs as needed.
+
+Under record-level differential privacy with Poisson sampling
+(``LocalTraining.dp.poisson``, :mod:`fedcluster.privacy`) the plan is what
+the privacy accountant assumes instead: ⌈n/B⌉ steps per epoch (or ``steps``),
+each sample joining each step independently with probability q = 1/⌈n/B⌉
+(Opacus' ``DPDataLoader``), so batch sizes vary and may be 0.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedcluster.rng import torch_rng
+
+if TYPE_CHECKING:
+    from fedcluster.privacy import RecordDP
 
 
 @dataclass(frozen=True)
@@ -23,6 +34,8 @@ class LocalTraining:
     """How a client trains: mini-batch SGD (McMahan et al. FedAvg, Alg. 1).
 
     ``mu`` > 0 adds FedProx's proximal term (mu/2)·||w − w_anchor||² (Li et al. 2020).
+    ``dp`` switches on DP-SGD (record-level local differential privacy,
+    :class:`fedcluster.privacy.RecordDP`).
     """
 
     lr: float = 0.05
@@ -31,6 +44,7 @@ class LocalTraining:
     steps: int | None = None
     momentum: float = 0.0
     mu: float = 0.0
+    dp: RecordDP | None = None
 
 
 def batch_plan(
@@ -45,6 +59,8 @@ def batch_plan(
     if n_samples <= 0:
         return []
     gen = torch_rng(seed, f"batches/{purpose}", rnd, client)
+    if cfg.dp is not None and cfg.dp.poisson:
+        return _poisson_plan(n_samples, cfg, gen)
     batches: list[torch.Tensor] = []
     target = cfg.steps
     epochs = cfg.epochs if target is None else None
@@ -59,3 +75,13 @@ def batch_plan(
                 return batches
         epoch += 1
     return batches
+
+
+def _poisson_plan(n_samples: int, cfg: LocalTraining, gen: torch.Generator) -> list[torch.Tensor]:
+    """Poisson-sampled batches: ⌈n/B⌉ steps per epoch, each sample in with rate 1/⌈n/B⌉."""
+    per_epoch = math.ceil(n_samples / cfg.batch_size)
+    n_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+    q = 1.0 / per_epoch
+    return [
+        torch.nonzero(torch.rand(n_samples, generator=gen) < q).flatten() for _ in range(n_steps)
+    ]

@@ -157,6 +157,67 @@ class MLPKernel:
                 d = dh.mul_(h > 0)
         return loss
 
+    def dp_sgd_step(
+        self,
+        params: LayerParams,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor,
+        lr: float,
+        clip: float,
+        noise: torch.Tensor,
+        scale: torch.Tensor,
+        first_trainable: int = 0,
+        mu: float = 0.0,
+        anchors: LayerParams | None = None,
+    ) -> torch.Tensor:
+        """One DP-SGD step (Abadi et al. 2016) for every group member, in place.
+
+        Per-sample gradients are never materialised: sample i's weight
+        gradient in layer l is the outer product δ_{l,i} h_{l,i}ᵀ, so its squared
+        norm is ‖δ_{l,i}‖²·(‖h_{l,i}‖² + 1) with the bias, and the sum of the
+        clipped gradients is (f ⊙ δ_l)ᵀ H_l with f_i = min(1, C/‖g_i‖).
+        ``mask`` [G, B] is 1 for real rows and 0 for padding; ``noise``
+        [G, d_trainable] is the Gaussian noise σC·ξ in row order of the
+        trainable layers; ``scale`` [G] is 1/denominator (0 for members without
+        a step: they do not move). Returns the mean batch losses [G].
+        """
+        acts, logits = self.forward(params, x)
+        count = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        loss, d = self.loss_and_dlogits(logits, y, mask)  # per-sample dlogits, unscaled
+        loss = loss / count.squeeze(1)
+        deltas: dict[int, torch.Tensor] = {}
+        sq = torch.zeros(mask.shape)
+        for i in range(len(params) - 1, first_trainable - 1, -1):
+            deltas[i] = d
+            h = acts[i]
+            sq += d.square().sum(dim=-1) * (h.square().sum(dim=-1) + 1.0)
+            if i > first_trainable:
+                d = torch.bmm(d, params[i][0]).mul_(h > 0)
+        factor = (clip / sq.sqrt().clamp(min=clip)) * mask  # [G, B]
+        first = self.layers[first_trainable].weight.start
+        for i in range(first_trainable, len(params)):
+            w, b = params[i]
+            lay = self.layers[i]
+            fd = deltas[i] * factor.unsqueeze(-1)
+            gw = torch.bmm(fd.transpose(1, 2), acts[i])
+            gb = fd.sum(dim=1)
+            offset = lay.weight.start - first
+            gw += noise[:, offset : offset + w.shape[1] * w.shape[2]].view_as(w)
+            offset = lay.bias.start - first
+            gb += noise[:, offset : offset + b.shape[1]]
+            gw.mul_(scale.view(-1, 1, 1))
+            gb.mul_(scale.view(-1, 1))
+            if mu > 0.0:
+                assert anchors is not None
+                aw, ab = anchors[i]
+                moving = (scale > 0).to(w.dtype)
+                gw += (w - aw).mul_((mu * moving).view(-1, 1, 1))
+                gb += (b - ab).mul_((mu * moving).view(-1, 1))
+            w.sub_(gw, alpha=lr)
+            b.sub_(gb, alpha=lr)
+        return loss
+
     def loss_and_grad(
         self, params: LayerParams, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,10 +15,16 @@ clients; any other ``nn.Module`` runs client by client through
 ``torch.func.functional_call`` on a flat row with autograd. Both follow the
 same batch plan (:func:`~fedcluster.engine.batches.batch_plan`) and equal the
 plain PyTorch loop of :mod:`fedcluster.engine.reference` to float tolerance.
+With ``LocalTraining.dp`` set, ``train`` runs DP-SGD (record-level local
+differential privacy, :mod:`fedcluster.privacy`): for any model through
+per-sample gradients on the autograd path, for MLPs (without momentum) on the
+kernel, which clips per-sample gradients without materialising them; both
+draw the same noise and agree to float tolerance.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +39,7 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.mlp_kernel import MLPKernel
+from fedcluster.privacy import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 
 
 @dataclass
@@ -117,6 +124,10 @@ class Simulator:
         start = _broadcast_rows(start, len(clients), self.layout.dim)
         with self.timed():
             plans = self.plans(clients, cfg, rnd, purpose)
+            if cfg.dp is not None:
+                result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
+                cfg.dp.trained(clients, result.steps)
+                return result
             if self.kernel is not None and cfg.momentum == 0.0:
                 return self._train_kernel(plans, start, cfg, classifier_only)
             return self._train_autograd(plans, start, cfg, classifier_only)
@@ -155,6 +166,134 @@ class Simulator:
             steps[i] = len(plan)
             if plan:
                 losses[i] = total / len(plan)
+        return TrainResult(out, losses, steps)
+
+    def _train_dp(
+        self,
+        plans: list[list[torch.Tensor]],
+        start: torch.Tensor,
+        cfg: LocalTraining,
+        classifier_only: bool,
+        clients: np.ndarray,
+        rnd: int,
+        purpose: str,
+    ) -> TrainResult:
+        """DP-SGD (Abadi et al. 2016, Alg. 1) for any model, client by client.
+
+        Per-sample gradients by ``vmap(grad(...))``
+        (:func:`~fedcluster.privacy.per_sample_gradients`), each clipped to
+        ``dp.clip``, summed, plus N(0, σ²C²) noise, divided by the expected batch
+        size q·n (Poisson plan) or by the batch's size (shuffled plan, where it
+        is fixed: with σ = 0 and a large clip this is plain SGD).
+        FedProx's term and momentum act on the privatised gradient (post-processing).
+        """
+        dp = cfg.dp
+        assert dp is not None
+        if self.kernel is not None and cfg.momentum == 0.0:
+            return self._train_dp_kernel(plans, start, cfg, classifier_only, clients, rnd, purpose)
+        fed = self.federation
+        sizes = fed.train_sizes
+        out = start.clone()
+        losses = torch.full((len(plans),), float("nan"))
+        steps = torch.zeros(len(plans), dtype=torch.int64)
+        head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
+        for i, (plan, c) in enumerate(zip(plans, clients, strict=True)):
+            c = int(c)
+            sigma = dp.sigma(c)
+            gen = dp.generator(self.seed, purpose, rnd, c)
+            expected = _expected_batch(int(sizes[c]), cfg.batch_size)
+            w = start[i].clone()
+            anchor = start[i]
+            buf: torch.Tensor | None = None
+            total = 0.0
+            for idx in plan:
+                x, y = fed.x_train[idx], fed.y_train[idx]
+                if len(idx):
+                    grads, sample_loss = per_sample_gradients(self.layout, w, x, y)
+                    grads = grads[:, head]
+                    total += float(sample_loss.mean())
+                else:
+                    grads = torch.zeros(0, head.stop - head.start)
+                g = noisy_clipped_sum(grads, dp.clip, sigma, gen)
+                g = g / (expected if dp.poisson else max(1, len(idx)))
+                if cfg.mu > 0.0:
+                    g = g + cfg.mu * (w[head] - anchor[head])
+                if cfg.momentum > 0.0:
+                    buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
+                    g = buf
+                w[head] -= cfg.lr * g
+            out[i] = w
+            steps[i] = len(plan)
+            if plan:
+                losses[i] = total / len(plan)
+        return TrainResult(out, losses, steps)
+
+    def _train_dp_kernel(
+        self,
+        plans: list[list[torch.Tensor]],
+        start: torch.Tensor,
+        cfg: LocalTraining,
+        classifier_only: bool,
+        clients: np.ndarray,
+        rnd: int,
+        purpose: str,
+    ) -> TrainResult:
+        """DP-SGD for MLPs on groups of clients (:meth:`MLPKernel.dp_sgd_step`).
+
+        The same mathematics and the same noise draws as :meth:`_train_dp`
+        (one N(0, I) vector over the trainable part of the row per client and
+        step), without materialising per-sample gradients.
+        """
+        dp = cfg.dp
+        kernel = self.kernel
+        assert dp is not None and kernel is not None
+        sizes = self.federation.train_sizes
+        n = len(plans)
+        out = start.clone()
+        losses = torch.full((n,), float("nan"))
+        steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
+        first = len(kernel.layers) - 1 if classifier_only else 0
+        head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
+        width = head.stop - head.start
+        order = np.argsort(-steps.numpy(), kind="stable")
+        for g0 in range(0, n, self.group_size):
+            members = order[g0 : g0 + self.group_size]
+            ids = [int(clients[m]) for m in members]
+            gens = [dp.generator(self.seed, purpose, rnd, c) for c in ids]
+            stds = [dp.sigma(c) * dp.clip for c in ids]
+            expected = [_expected_batch(int(sizes[c]), cfg.batch_size) for c in ids]
+            idx, weight = _stack_plans([plans[m] for m in members])
+            params = kernel.unpack(start[members])
+            anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
+            total = torch.zeros(len(members))
+            for s in range(idx.shape[1]):
+                active = steps[members] > s
+                noise = torch.zeros(len(members), width)
+                scale = torch.zeros(len(members))
+                for j in np.flatnonzero(active.numpy()):
+                    noise[j] = gaussian_noise((width,), stds[j], gens[j])
+                    size = len(plans[members[j]][s])
+                    scale[j] = 1.0 / (expected[j] if dp.poisson else max(1, size))
+                total += active * kernel.dp_sgd_step(
+                    params,
+                    self._x_flat[idx[:, s]],
+                    self.federation.y_train[idx[:, s]],
+                    (weight[:, s] > 0).to(torch.float32),
+                    cfg.lr,
+                    dp.clip,
+                    noise,
+                    scale,
+                    first_trainable=first,
+                    mu=cfg.mu,
+                    anchors=anchors,
+                )
+            block = out[members]
+            kernel.pack(params, block)
+            out[members] = block
+            m_steps = steps[members]
+            losses[members] = torch.where(
+                m_steps > 0, total / m_steps.clamp(min=1), losses[members]
+            )
         return TrainResult(out, losses, steps)
 
     def _train_kernel(
@@ -290,6 +429,11 @@ def _broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     if rows.shape != (n, dim):
         raise ValueError(f"expected parameter rows of shape [{n}, {dim}], got {list(rows.shape)}")
     return rows
+
+
+def _expected_batch(n_samples: int, batch_size: int) -> float:
+    """Expected Poisson batch size q·n with q = 1/⌈n/B⌉ (the DP-SGD denominator)."""
+    return n_samples / max(1, math.ceil(n_samples / batch_size))
 
 
 def _stack_plans(plans: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
