@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Context, init_row
+from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES
 from fedcluster.algorithms.cfl import CFL
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
-from fedcluster.engine.simulator import Simulator
-from fedcluster.models import build_model
+from tests.helpers import make_context
 
 N_GROUPS = 4
 PER_GROUP = 5
@@ -42,13 +41,8 @@ def permuted(shared_dataset) -> Federation:
 
 
 def make_cfl(federation: Federation, seed: int = 0, **params) -> CFL:
-    model = build_model("mlp", federation.input_shape, 10, hidden=[32])
-    ctx = Context(
-        sim=Simulator(model, federation, seed=seed),
-        train=LocalTraining(lr=0.1, batch_size=20),
-        seed=seed,
-        init_row=init_row(model, seed, "init"),
-    )
+    train = LocalTraining(lr=0.1, batch_size=20)
+    ctx = make_context(federation, "mlp", seed=seed, train=train, hidden=[32])
     return CFL(CFL.Params(**params), ctx)
 
 

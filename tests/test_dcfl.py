@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.base import FLOAT_BYTES, Context, init_row
+from fedcluster.algorithms.base import FLOAT_BYTES
 from fedcluster.algorithms.dcfl import DCFL
 from fedcluster.clustering.distances import DCFL_VARIANTS
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
-from fedcluster.engine.simulator import Simulator
-from fedcluster.models import build_model
+from tests.helpers import make_context
 
 N_GROUPS = 4
 PER_GROUP = 5
@@ -40,13 +39,8 @@ def rotated(shared_dataset) -> Federation:
 
 
 def make_dcfl(federation: Federation, seed: int = 0, **params) -> DCFL:
-    model = build_model("mlp", federation.input_shape, 10, hidden=[32])
-    ctx = Context(
-        sim=Simulator(model, federation, seed=seed),
-        train=LocalTraining(lr=0.1, batch_size=20),
-        seed=seed,
-        init_row=init_row(model, seed, "init"),
-    )
+    train = LocalTraining(lr=0.1, batch_size=20)
+    ctx = make_context(federation, "mlp", seed=seed, train=train, hidden=[32])
     return DCFL(DCFL.Params(**params), ctx)
 
 
