@@ -19,6 +19,11 @@ reaches, checks that the simulator's round equals the plain loop's (and
 Flower's), and prints a table; ``--out`` writes everything as JSON.
 ``--profile`` adds a ``torch.profiler`` breakdown of one simulator round.
 
+On a shared machine every timed round records the CPU share other processes
+used meanwhile (Linux ``/proc``); the script waits for a quiet machine before
+each round (``--wait-quiet``) and reports medians over the quiet rounds
+(``--max-foreign``), with the minimum and the count of quiet rounds beside.
+
 Data: 4 clusters x 20 clients with the class mix of JGL Fig. 2 (MNIST), each
 client exactly 200 training samples (``cluster_table(samples_per_client=200)``)
 and 20 test samples, packed with ``Federation.from_clients``.
