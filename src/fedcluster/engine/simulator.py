@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,6 +40,9 @@ from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.mlp_kernel import MLPKernel
 from fedcluster.privacy import gaussian_noise, noisy_clipped_sum, per_sample_gradients
+
+StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
+"""One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
 
 
 @dataclass
@@ -138,35 +141,48 @@ class Simulator:
         start: torch.Tensor,
         cfg: LocalTraining,
         classifier_only: bool,
+        gradients: Callable[[int], StepGradient] | None = None,
     ) -> TrainResult:
-        fed = self.federation
+        """Client-by-client SGD with autograd (any model).
+
+        ``gradients(i)`` gives client ``i``'s step gradient (DP-SGD's noisy
+        clipped one); by default the plain mini-batch gradient. FedProx's term
+        and momentum act on that gradient.
+        """
         out = start.clone()
         losses = torch.full((len(plans),), float("nan"))
         steps = torch.zeros(len(plans), dtype=torch.int64)
         head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
         for i, plan in enumerate(plans):
+            step_gradient = self._plain_gradient if gradients is None else gradients(i)
             w = start[i].clone()
             anchor = start[i]
             buf: torch.Tensor | None = None
             total = 0.0
             for idx in plan:
-                w.requires_grad_(True)
-                loss = F.cross_entropy(self.layout.forward(w, fed.x_train[idx]), fed.y_train[idx])
-                (grad,) = torch.autograd.grad(loss, w)
-                w = w.detach()
-                g = grad[head]
+                g, loss = step_gradient(w, idx, head)
                 if cfg.mu > 0.0:
                     g = g + cfg.mu * (w[head] - anchor[head])
                 if cfg.momentum > 0.0:
                     buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
                     g = buf
                 w[head] -= cfg.lr * g
-                total += float(loss.detach())
+                total += loss
             out[i] = w
             steps[i] = len(plan)
             if plan:
                 losses[i] = total / len(plan)
         return TrainResult(out, losses, steps)
+
+    def _plain_gradient(
+        self, w: torch.Tensor, idx: torch.Tensor, head: slice
+    ) -> tuple[torch.Tensor, float]:
+        """Mini-batch cross-entropy gradient at ``w`` (restricted to ``head``) and the loss."""
+        fed = self.federation
+        leaf = w.detach().requires_grad_(True)
+        loss = F.cross_entropy(self.layout.forward(leaf, fed.x_train[idx]), fed.y_train[idx])
+        (grad,) = torch.autograd.grad(loss, leaf)
+        return grad[head], float(loss.detach())
 
     def _train_dp(
         self,
@@ -193,40 +209,28 @@ class Simulator:
             return self._train_dp_kernel(plans, start, cfg, classifier_only, clients, rnd, purpose)
         fed = self.federation
         sizes = fed.train_sizes
-        out = start.clone()
-        losses = torch.full((len(plans),), float("nan"))
-        steps = torch.zeros(len(plans), dtype=torch.int64)
-        head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
-        for i, (plan, c) in enumerate(zip(plans, clients, strict=True)):
-            c = int(c)
+
+        def gradients(i: int) -> StepGradient:
+            c = int(clients[i])
             sigma = dp.sigma(c)
             gen = dp.generator(self.seed, purpose, rnd, c)
             expected = _expected_batch(int(sizes[c]), cfg.batch_size)
-            w = start[i].clone()
-            anchor = start[i]
-            buf: torch.Tensor | None = None
-            total = 0.0
-            for idx in plan:
-                x, y = fed.x_train[idx], fed.y_train[idx]
+
+            def step(w: torch.Tensor, idx: torch.Tensor, head: slice) -> tuple[torch.Tensor, float]:
+                loss = 0.0
                 if len(idx):
+                    x, y = fed.x_train[idx], fed.y_train[idx]
                     grads, sample_loss = per_sample_gradients(self.layout, w, x, y)
                     grads = grads[:, head]
-                    total += float(sample_loss.mean())
+                    loss = float(sample_loss.mean())
                 else:
                     grads = torch.zeros(0, head.stop - head.start)
                 g = noisy_clipped_sum(grads, dp.clip, sigma, gen)
-                g = g / (expected if dp.poisson else max(1, len(idx)))
-                if cfg.mu > 0.0:
-                    g = g + cfg.mu * (w[head] - anchor[head])
-                if cfg.momentum > 0.0:
-                    buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
-                    g = buf
-                w[head] -= cfg.lr * g
-            out[i] = w
-            steps[i] = len(plan)
-            if plan:
-                losses[i] = total / len(plan)
-        return TrainResult(out, losses, steps)
+                return g / (expected if dp.poisson else max(1, len(idx))), loss
+
+            return step
+
+        return self._train_autograd(plans, start, cfg, classifier_only, gradients)
 
     def _train_dp_kernel(
         self,
