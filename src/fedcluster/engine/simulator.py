@@ -38,11 +38,18 @@ from torch import nn
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout
-from fedcluster.engine.mlp_kernel import MLPKernel
+from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.privacy import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
 """One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
+
+
+GroupStep = Callable[
+    [LayerParams, int, torch.Tensor, torch.Tensor, "LayerParams | None"], torch.Tensor
+]
+"""One step of a client group on the MLP kernel: ``(params, step, batch indices [G, B],
+row weights [G, B], FedProx anchors) -> batch losses [G]`` (updates ``params`` in place)."""
 
 
 @dataclass
@@ -252,25 +259,24 @@ class Simulator:
         kernel = self.kernel
         assert dp is not None and kernel is not None
         sizes = self.federation.train_sizes
-        n = len(plans)
-        out = start.clone()
-        losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
         head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
         width = head.stop - head.start
-        order = np.argsort(-steps.numpy(), kind="stable")
-        for g0 in range(0, n, self.group_size):
-            members = order[g0 : g0 + self.group_size]
+
+        def group_step(members: np.ndarray) -> GroupStep:
             ids = [int(clients[m]) for m in members]
             gens = [dp.generator(self.seed, purpose, rnd, c) for c in ids]
             stds = [dp.sigma(c) * dp.clip for c in ids]
             expected = [_expected_batch(int(sizes[c]), cfg.batch_size) for c in ids]
-            idx, weight = _stack_plans([plans[m] for m in members])
-            params = kernel.unpack(start[members])
-            anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
-            total = torch.zeros(len(members))
-            for s in range(idx.shape[1]):
+
+            def step(
+                params: LayerParams,
+                s: int,
+                idx: torch.Tensor,
+                weight: torch.Tensor,
+                anchors: LayerParams | None,
+            ) -> torch.Tensor:
                 active = steps[members] > s
                 noise = torch.zeros(len(members), width)
                 scale = torch.zeros(len(members))
@@ -278,11 +284,11 @@ class Simulator:
                     noise[j] = gaussian_noise((width,), stds[j], gens[j])
                     size = len(plans[members[j]][s])
                     scale[j] = 1.0 / (expected[j] if dp.poisson else max(1, size))
-                total += active * kernel.dp_sgd_step(
+                return active * kernel.dp_sgd_step(
                     params,
-                    self._x_flat[idx[:, s]],
-                    self.federation.y_train[idx[:, s]],
-                    (weight[:, s] > 0).to(torch.float32),
+                    self._x_flat[idx],
+                    self.federation.y_train[idx],
+                    (weight > 0).to(torch.float32),
                     cfg.lr,
                     dp.clip,
                     noise,
@@ -291,14 +297,10 @@ class Simulator:
                     mu=cfg.mu,
                     anchors=anchors,
                 )
-            block = out[members]
-            kernel.pack(params, block)
-            out[members] = block
-            m_steps = steps[members]
-            losses[members] = torch.where(
-                m_steps > 0, total / m_steps.clamp(min=1), losses[members]
-            )
-        return TrainResult(out, losses, steps)
+
+            return step
+
+        return self._train_kernel(plans, start, cfg, classifier_only, group_step)
 
     def _train_kernel(
         self,
@@ -306,7 +308,13 @@ class Simulator:
         start: torch.Tensor,
         cfg: LocalTraining,
         classifier_only: bool,
+        group_steps: Callable[[np.ndarray], GroupStep] | None = None,
     ) -> TrainResult:
+        """SGD on groups of clients with the MLP kernel.
+
+        ``group_steps(members)`` gives the step of one group (DP-SGD's); by
+        default plain SGD (:meth:`MLPKernel.sgd_step`).
+        """
         kernel = self.kernel
         assert kernel is not None
         n = len(plans)
@@ -314,27 +322,37 @@ class Simulator:
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
+
+        def plain_step(
+            params: LayerParams,
+            s: int,
+            idx: torch.Tensor,
+            weight: torch.Tensor,
+            anchors: LayerParams | None,
+        ) -> torch.Tensor:
+            return kernel.sgd_step(
+                params,
+                self._x_flat[idx],
+                self.federation.y_train[idx],
+                weight,
+                cfg.lr,
+                first_trainable=first,
+                mu=cfg.mu,
+                anchors=anchors,
+                active=weight[:, 0] > 0,
+            )
+
         # Clients with similar step counts share a group, so little work is padding.
         order = np.argsort(-steps.numpy(), kind="stable")
         for g0 in range(0, n, self.group_size):
             members = order[g0 : g0 + self.group_size]
+            step = plain_step if group_steps is None else group_steps(members)
             idx, weight = _stack_plans([plans[m] for m in members])
             params = kernel.unpack(start[members])
             anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
             total = torch.zeros(len(members))
             for s in range(idx.shape[1]):
-                active = weight[:, s, 0] > 0
-                total += kernel.sgd_step(
-                    params,
-                    self._x_flat[idx[:, s]],
-                    self.federation.y_train[idx[:, s]],
-                    weight[:, s],
-                    cfg.lr,
-                    first_trainable=first,
-                    mu=cfg.mu,
-                    anchors=anchors,
-                    active=active,
-                )
+                total += step(params, s, idx[:, s], weight[:, s], anchors)
             block = out[members]
             kernel.pack(params, block)
             out[members] = block
