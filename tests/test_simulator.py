@@ -35,12 +35,13 @@ CONFIGS = {
     "sgd": LocalTraining(lr=0.1, batch_size=16, epochs=2),
     "prox": LocalTraining(lr=0.1, batch_size=16, epochs=1, mu=0.5),
     "momentum": LocalTraining(lr=0.05, batch_size=16, epochs=1, momentum=0.9),
+    "prox_momentum": LocalTraining(lr=0.05, batch_size=16, epochs=2, momentum=0.9, mu=0.5),
     "steps": LocalTraining(lr=0.1, batch_size=32, steps=5),
 }
 
 
-# The CNN runs the generic autograd path, which the other configs also reach through
-# the MLP with momentum; two CNN configs keep the suite fast.
+# The MLP and MCLR run the kernel, the CNN the generic autograd path; two CNN configs
+# keep the suite fast.
 CASES = [(m, c) for m in ("mlp", "mclr") for c in CONFIGS] + [("cnn", "sgd"), ("cnn", "momentum")]
 
 

@@ -4,7 +4,8 @@ For ``Sequential(Flatten, Linear, ReLU, ..., Linear)`` models (JGL's MLP,
 FedGroup's MLP and MCLR) the simulator trains a group of G clients at once
 with batched matrix products (``torch.baddbmm``) on ``[G, out, in]`` weight
 stacks and fuses the SGD update into the weight-gradient product
-(``W.baddbmm_(dYᵀ, X, alpha=-lr)``). Compared with autograd on one client at a
+(``W.baddbmm_(dYᵀ, X, alpha=-lr)``; with momentum the gradient goes through
+the heavy-ball buffer instead). Compared with autograd on one client at a
 time this removes graph construction, optimizer overhead and a memory pass per
 weight (DESIGN "Speed": batched weight gradients are memory-bound, so the fused
 update matters). The mathematics is exactly that of cross-entropy + SGD, so it
@@ -132,27 +133,50 @@ class MLPKernel:
         mu: float = 0.0,
         anchors: LayerParams | None = None,
         active: torch.Tensor | None = None,
+        momentum: float = 0.0,
+        buffers: LayerParams | None = None,
     ) -> torch.Tensor:
         """One SGD step for every group member, in place; returns the batch losses [G].
 
         Layers below ``first_trainable`` are frozen (FedAvg+FT fine-tunes only
         the classifier). With ``mu`` > 0 the FedProx gradient mu·(w − anchor)
         is added for the ``active`` members (those that have a batch this step).
+        With ``momentum`` > 0 the step is ``torch.optim.SGD``'s heavy ball
+        (buf ← m·buf + g, w ← w − lr·buf; zero ``buffers`` make the first step
+        buf = g) for the active members; the others keep weights and buffers.
         """
         acts, logits = self.forward(params, x)
         loss, d = self.loss_and_dlogits(logits, y, weight)
+        if mu > 0.0 or momentum > 0.0:
+            assert active is not None
+            moving = active.to(x.dtype)
         for i in range(len(params) - 1, first_trainable - 1, -1):
             w, b = params[i]
             h = acts[i]
             dh = torch.bmm(d, w) if i > first_trainable else None
-            if mu > 0.0:
-                assert anchors is not None and active is not None
-                rate = (lr * mu) * active.to(w.dtype)
-                aw, ab = anchors[i]
-                w.sub_((w - aw).mul_(rate.view(-1, 1, 1)))
-                b.sub_((b - ab).mul_(rate.view(-1, 1)))
-            w.baddbmm_(d.transpose(1, 2), h, alpha=-lr)
-            b.sub_(d.sum(dim=1), alpha=lr)
+            if momentum > 0.0:
+                assert buffers is not None
+                gw, gb = torch.bmm(d.transpose(1, 2), h), d.sum(dim=1)
+                if mu > 0.0:
+                    assert anchors is not None
+                    aw, ab = anchors[i]
+                    gw += (w - aw).mul_(mu * moving.view(-1, 1, 1))
+                    gb += (b - ab).mul_(mu * moving.view(-1, 1))
+                keep = torch.where(active, momentum, 1.0)
+                bw, bb = buffers[i]
+                bw.mul_(keep.view(-1, 1, 1)).add_(gw)
+                bb.mul_(keep.view(-1, 1)).add_(gb)
+                w.sub_(bw * (lr * moving).view(-1, 1, 1))
+                b.sub_(bb * (lr * moving).view(-1, 1))
+            else:
+                if mu > 0.0:
+                    assert anchors is not None
+                    rate = (lr * mu) * moving
+                    aw, ab = anchors[i]
+                    w.sub_((w - aw).mul_(rate.view(-1, 1, 1)))
+                    b.sub_((b - ab).mul_(rate.view(-1, 1)))
+                w.baddbmm_(d.transpose(1, 2), h, alpha=-lr)
+                b.sub_(d.sum(dim=1), alpha=lr)
             if dh is not None:
                 d = dh.mul_(h > 0)
         return loss

@@ -138,7 +138,7 @@ class Simulator:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
                 cfg.dp.trained(clients, result.steps)
                 return result
-            if self.kernel is not None and cfg.momentum == 0.0:
+            if self.kernel is not None:
                 return self._train_kernel(plans, start, cfg, classifier_only)
             return self._train_autograd(plans, start, cfg, classifier_only)
 
@@ -322,6 +322,7 @@ class Simulator:
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
+        buffers: LayerParams | None = None
 
         def plain_step(
             params: LayerParams,
@@ -340,6 +341,8 @@ class Simulator:
                 mu=cfg.mu,
                 anchors=anchors,
                 active=weight[:, 0] > 0,
+                momentum=cfg.momentum,
+                buffers=buffers,
             )
 
         # Clients with similar step counts share a group, so little work is padding.
@@ -350,6 +353,8 @@ class Simulator:
             idx, weight = _stack_plans([plans[m] for m in members])
             params = kernel.unpack(start[members])
             anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
+            if cfg.momentum > 0.0:
+                buffers = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
             total = torch.zeros(len(members))
             for s in range(idx.shape[1]):
                 total += step(params, s, idx[:, s], weight[:, s], anchors)
