@@ -7,6 +7,9 @@ is scaled (default 0.27, about 200 samples per client, the DESIGN speed
 setting) to keep the sweep within minutes on 2 cores.
 
     python -m benchmarks.jgl_purity --seeds 5 --rounds 30 --out runs/jgl-purity
+
+``--settings global-random,relabel-good`` runs a subset of the four settings
+(tags ``{global,relabel}-{random,good}``), e.g. one per process.
 """
 
 from __future__ import annotations
@@ -25,11 +28,18 @@ ALGORITHMS = (
     " {name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform, INIT}}]"
 )
 
+SETTINGS = ("global-random", "global-good", "relabel-random", "relabel-good")
+
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--scale", type=float, default=0.27)
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated tags")
     args = p.parse_args()
+    chosen = args.settings.split(",")
+    unknown = sorted(set(chosen) - set(SETTINGS))
+    if unknown:
+        p.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
     out = Path(args.out)
     table = []
     for relabel in (False, True):
@@ -43,6 +53,8 @@ def main() -> None:
                 "algorithms=" + ALGORITHMS.replace("INIT", init),
             ]
             tag = f"{'relabel' if relabel else 'global'}-{init_name.split()[0]}"
+            if tag not in chosen:
+                continue
             jobs = run_setting("jgl-mnist", sets, args.seeds, out / tag, args.data_dir, args.rounds)
             for alg in ("jgl-0.1", "jgl-0.2", "jgl-0.5", "ifca"):
                 mine = [j for j in jobs if j["algorithm"] == alg]
@@ -66,7 +78,7 @@ def main() -> None:
                         ),
                     }
                 )
-    save_json(out / "jgl_purity.json", table)
+    save_json(out / f"jgl_purity-{'+'.join(chosen)}.json", table)
     print(format_table(table))
 
 

@@ -58,6 +58,21 @@ def test_batched_training_equals_plain_loop(mnist_federation, model_name, cfg_na
     assert not torch.equal(fast, start)
 
 
+@pytest.mark.parametrize("cfg_name", ["sgd", "prox_momentum"])
+def test_groups_on_worker_threads_equal_plain_loop(mnist_federation, cfg_name):
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[64, 32])
+    cfg = CONFIGS[cfg_name]
+    clients = np.arange(mnist_federation.n_clients)
+    start = torch.stack([init_row(model, 0, "test", i) for i in range(len(clients))])
+    threaded = Simulator(model, mnist_federation, seed=3, group_size=2, threads=2)
+    fast = threaded.train(clients, start, cfg, rnd=1)
+    plain = reference_train(model, mnist_federation, clients, start, cfg, seed=3, rnd=1)
+    assert (fast.rows - plain).abs().max().item() <= 1e-5
+    again = threaded.train(clients, start, cfg, rnd=1)
+    assert torch.equal(fast.rows, again.rows) and torch.equal(fast.loss, again.loss)
+    assert torch.get_num_threads() == 1  # the conftest's setting is restored
+
+
 def test_kernel_and_autograd_paths_agree(mnist_federation):
     model = build_model("mlp", (1, 28, 28), 10, hidden=[64, 32])
     start = init_row(model, 0, "x")

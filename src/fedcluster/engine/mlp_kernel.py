@@ -2,9 +2,11 @@
 
 For ``Sequential(Flatten, Linear, ReLU, ..., Linear)`` models (JGL's MLP,
 FedGroup's MLP and MCLR) the simulator trains a group of G clients at once
-with batched matrix products (``torch.baddbmm``) on ``[G, out, in]`` weight
-stacks and fuses the SGD update into the weight-gradient product
-(``W.baddbmm_(dYᵀ, X, alpha=-lr)``; with momentum the gradient goes through
+with batched matrix products (``torch.baddbmm``) on weight stacks held as
+``[G, in, out]`` (the transpose of ``nn.Linear``'s layout, copied once per
+round: with B = 32 rows, ``X @ W`` on this layout runs markedly faster than
+``X @ Wᵀ`` on MKL) and fuses the SGD update into the weight-gradient product
+(``W.baddbmm_(Xᵀ, dY, alpha=-lr)``; with momentum the gradient goes through
 the heavy-ball buffer instead). Compared with autograd on one client at a
 time this removes graph construction, optimizer overhead and a memory pass per
 weight (DESIGN "Speed": batched weight gradients are memory-bound, so the fused
@@ -76,18 +78,21 @@ class MLPKernel:
         return self.layers[0].shape[1]
 
     def unpack(self, rows: torch.Tensor) -> LayerParams:
-        """Contiguous per-layer weight/bias stacks copied from parameter rows [G, d]."""
+        """Per-layer weight stacks [G, in, out] and biases [G, out] copied from rows [G, d]."""
         g = rows.shape[0]
         return [
-            (rows[:, lay.weight].reshape(g, *lay.shape).clone(), rows[:, lay.bias].clone())
+            (
+                rows[:, lay.weight].reshape(g, *lay.shape).transpose(1, 2).contiguous(),
+                rows[:, lay.bias].clone(),
+            )
             for lay in self.layers
         ]
 
     def pack(self, params: LayerParams, out: torch.Tensor) -> None:
-        """Write per-layer stacks back into rows ``out`` [G, d]."""
+        """Write per-layer stacks back into rows ``out`` [G, d] (``nn.Linear`` layout)."""
         g = out.shape[0]
         for lay, (w, b) in zip(self.layers, params, strict=True):
-            out[:, lay.weight] = w.reshape(g, -1)
+            out[:, lay.weight].view(g, *lay.shape).copy_(w.transpose(1, 2))
             out[:, lay.bias] = b
 
     def forward(
@@ -98,7 +103,7 @@ class MLPKernel:
         h = x
         last = len(params) - 1
         for i, (w, b) in enumerate(params):
-            z = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+            z = torch.baddbmm(b.unsqueeze(1), h, w)
             if i == last:
                 return acts, z
             h = torch.relu(z)
@@ -153,10 +158,10 @@ class MLPKernel:
         for i in range(len(params) - 1, first_trainable - 1, -1):
             w, b = params[i]
             h = acts[i]
-            dh = torch.bmm(d, w) if i > first_trainable else None
+            dh = torch.bmm(d, w.transpose(1, 2)) if i > first_trainable else None
             if momentum > 0.0:
                 assert buffers is not None
-                gw, gb = torch.bmm(d.transpose(1, 2), h), d.sum(dim=1)
+                gw, gb = torch.bmm(h.transpose(1, 2), d), d.sum(dim=1)
                 if mu > 0.0:
                     assert anchors is not None
                     aw, ab = anchors[i]
@@ -175,7 +180,7 @@ class MLPKernel:
                     aw, ab = anchors[i]
                     w.sub_((w - aw).mul_(rate.view(-1, 1, 1)))
                     b.sub_((b - ab).mul_(rate.view(-1, 1)))
-                w.baddbmm_(d.transpose(1, 2), h, alpha=-lr)
+                w.baddbmm_(h.transpose(1, 2), d, alpha=-lr)
                 b.sub_(d.sum(dim=1), alpha=lr)
             if dh is not None:
                 d = dh.mul_(h > 0)
@@ -217,17 +222,18 @@ class MLPKernel:
             h = acts[i]
             sq += d.square().sum(dim=-1) * (h.square().sum(dim=-1) + 1.0)
             if i > first_trainable:
-                d = torch.bmm(d, params[i][0]).mul_(h > 0)
+                d = torch.bmm(d, params[i][0].transpose(1, 2)).mul_(h > 0)
         factor = (clip / sq.sqrt().clamp(min=clip)) * mask  # [G, B]
         first = self.layers[first_trainable].weight.start
         for i in range(first_trainable, len(params)):
             w, b = params[i]
             lay = self.layers[i]
             fd = deltas[i] * factor.unsqueeze(-1)
-            gw = torch.bmm(fd.transpose(1, 2), acts[i])
+            gw = torch.bmm(acts[i].transpose(1, 2), fd)
             gb = fd.sum(dim=1)
             offset = lay.weight.start - first
-            gw += noise[:, offset : offset + w.shape[1] * w.shape[2]].view_as(w)
+            size = w.shape[1] * w.shape[2]
+            gw += noise[:, offset : offset + size].view(-1, *lay.shape).transpose(1, 2)
             offset = lay.bias.start - first
             gb += noise[:, offset : offset + b.shape[1]]
             gw.mul_(scale.view(-1, 1, 1))
@@ -256,5 +262,5 @@ class MLPKernel:
             grads[:, lay.weight] = torch.bmm(d.transpose(1, 2), h).reshape(x.shape[0], -1)
             grads[:, lay.bias] = d.sum(dim=1)
             if i > 0:
-                d = torch.bmm(d, w).mul_(h > 0)
+                d = torch.bmm(d, w.transpose(1, 2)).mul_(h > 0)
         return loss, grads

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -75,7 +76,11 @@ class EvalResult:
 
 
 class Simulator:
-    """Batched client computations over a packed federation."""
+    """Batched client computations over a packed federation.
+
+    ``group_size`` clients train together on the MLP kernel; the groups run on
+    ``threads`` worker threads (default: ``torch.get_num_threads()``).
+    """
 
     def __init__(
         self,
@@ -84,12 +89,14 @@ class Simulator:
         seed: int,
         group_size: int = 4,
         use_kernel: bool = True,
+        threads: int | None = None,
     ) -> None:
         self.model = model
         self.federation = federation
         self.layout = ParamLayout(model)
         self.seed = seed
         self.group_size = max(1, int(group_size))
+        self.threads = threads
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
         self.seconds = 0.0
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
@@ -322,39 +329,41 @@ class Simulator:
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
-        buffers: LayerParams | None = None
 
-        def plain_step(
-            params: LayerParams,
-            s: int,
-            idx: torch.Tensor,
-            weight: torch.Tensor,
-            anchors: LayerParams | None,
-        ) -> torch.Tensor:
-            return kernel.sgd_step(
-                params,
-                self._x_flat[idx],
-                self.federation.y_train[idx],
-                weight,
-                cfg.lr,
-                first_trainable=first,
-                mu=cfg.mu,
-                anchors=anchors,
-                active=weight[:, 0] > 0,
-                momentum=cfg.momentum,
-                buffers=buffers,
-            )
+        def plain_steps(members: np.ndarray) -> GroupStep:
+            buffers: LayerParams | None = None
 
-        # Clients with similar step counts share a group, so little work is padding.
-        order = np.argsort(-steps.numpy(), kind="stable")
-        for g0 in range(0, n, self.group_size):
-            members = order[g0 : g0 + self.group_size]
-            step = plain_step if group_steps is None else group_steps(members)
+            def step(
+                params: LayerParams,
+                s: int,
+                idx: torch.Tensor,
+                weight: torch.Tensor,
+                anchors: LayerParams | None,
+            ) -> torch.Tensor:
+                nonlocal buffers
+                if cfg.momentum > 0.0 and buffers is None:
+                    buffers = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
+                return kernel.sgd_step(
+                    params,
+                    self._x_flat[idx],
+                    self.federation.y_train[idx],
+                    weight,
+                    cfg.lr,
+                    first_trainable=first,
+                    mu=cfg.mu,
+                    anchors=anchors,
+                    active=weight[:, 0] > 0,
+                    momentum=cfg.momentum,
+                    buffers=buffers,
+                )
+
+            return step
+
+        def run_group(members: np.ndarray) -> None:
+            step = (group_steps or plain_steps)(members)
             idx, weight = _stack_plans([plans[m] for m in members])
             params = kernel.unpack(start[members])
             anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
-            if cfg.momentum > 0.0:
-                buffers = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
             total = torch.zeros(len(members))
             for s in range(idx.shape[1]):
                 total += step(params, s, idx[:, s], weight[:, s], anchors)
@@ -365,6 +374,11 @@ class Simulator:
             losses[members] = torch.where(
                 m_steps > 0, total / m_steps.clamp(min=1), losses[members]
             )
+
+        # Clients with similar step counts share a group, so little work is padding.
+        order = np.argsort(-steps.numpy(), kind="stable")
+        groups = [order[g0 : g0 + self.group_size] for g0 in range(0, n, self.group_size)]
+        _run_on_threads(run_group, groups, self.threads or torch.get_num_threads())
         return TrainResult(out, losses, steps)
 
     # ------------------------------------------------------- losses and grads
@@ -461,6 +475,30 @@ def _broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 def _expected_batch(n_samples: int, batch_size: int) -> float:
     """Expected Poisson batch size q·n with q = 1/⌈n/B⌉ (the DP-SGD denominator)."""
     return n_samples / max(1, math.ceil(n_samples / batch_size))
+
+
+def _run_on_threads(
+    run: Callable[[np.ndarray], None], groups: list[np.ndarray], threads: int
+) -> None:
+    """``run(group)`` for every group, on up to ``threads`` worker threads.
+
+    Each worker runs single-threaded operators (PyTorch releases the GIL inside
+    them): small batched products keep a core busier this way than split
+    across cores inside one product. Groups write disjoint rows, and each
+    group's arithmetic does not depend on the thread, so results are identical.
+    """
+    workers = min(threads, len(groups))
+    if workers <= 1:
+        for group in groups:
+            run(group)
+        return
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, groups))
+    finally:
+        torch.set_num_threads(intra)
 
 
 def _stack_plans(plans: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
