@@ -58,7 +58,7 @@ from torch import nn
 
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
-from fedcluster.data.partitions import cluster_table
+from fedcluster.data.partitions import ClientTestSpec, cluster_table
 from fedcluster.data.sources import ENV_DATA, load_dataset
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout, weighted_average
@@ -181,7 +181,7 @@ def build_workload(data_dir: str | Path) -> tuple[Federation, nn.Module]:
         table="jgl-mnist",
         clients_per_cluster=PER_CLUSTER,
         samples_per_client=TRAIN_SIZE,
-        test_size=TEST_SIZE,
+        test=ClientTestSpec(size=TEST_SIZE),
     )
     test_split = ds.train if part.test_pool == "train" else ds.test
 

@@ -49,6 +49,7 @@ from fedcluster.errors import ConfigError, DataError
 
 __all__ = [
     "PARTITIONS",
+    "ClientTestSpec",
     "Partition",
     "cluster_table",
     "dirichlet",
@@ -240,30 +241,48 @@ def _client_class_counts(y: np.ndarray, parts: list[np.ndarray], n_classes: int)
 # --------------------------------------------------------------------------- test sets
 
 
+@dataclass(frozen=True)
+class ClientTestSpec:
+    """How each client's test set is drawn: the common options of every base partition.
+
+    ``size``, ``ratio``, ``fraction`` and ``reuse`` are the partition options
+    ``test_size``, ``test_ratio``, ``test_fraction`` and ``test_reuse`` of the
+    module docstring.
+    """
+
+    size: int | None = None
+    ratio: float | None = None
+    fraction: float | None = None
+    reuse: bool = True
+
+
+DEFAULT_TEST_SPEC = ClientTestSpec()
+TEST_OPTIONS = {
+    "test_size": "size",
+    "test_ratio": "ratio",
+    "test_fraction": "fraction",
+    "test_reuse": "reuse",
+}
+
+
 def _finish(
     train: list[np.ndarray],
     y_train: np.ndarray,
     y_test: np.ndarray | None,
     rng: np.random.Generator,
+    test: ClientTestSpec,
     *,
-    test_size: int | None,
-    test_ratio: float | None,
-    test_fraction: float | None,
-    test_reuse: bool,
     groups: np.ndarray | None = None,
     label_maps: np.ndarray | None = None,
 ) -> Partition:
     """Attach each client's test set (see the module docstring) and build the Partition."""
-    if test_size is not None:
-        test_size = _int_option("test_size", test_size)
-    test_reuse = _bool_option("test_reuse", test_reuse)
+    size = None if test.size is None else _int_option("test_size", test.size)
+    reuse = _bool_option("test_reuse", test.reuse)
     if y_test is None:
-        train, test = _hold_out(train, y_train, rng, test_size, test_ratio, test_fraction)
+        train, tests = _hold_out(train, y_train, rng, size, test.ratio, test.fraction)
         pool: TestPool = "train"
     else:
-        test = _draw_tests(
-            train, y_train, y_test, rng, test_size, test_ratio, test_fraction, test_reuse
-        )
+        tests = _draw_tests(train, y_train, y_test, rng, size, test.ratio, test.fraction, reuse)
         pool = "test"
     for i, part in enumerate(train):
         if part.size == 0:
@@ -271,7 +290,7 @@ def _finish(
                 f"partition: client {i} has no training samples; use fewer clients or more "
                 "samples per client"
             )
-    return Partition(train, test, pool, groups=groups, label_maps=label_maps)
+    return Partition(train, tests, pool, groups=groups, label_maps=label_maps)
 
 
 def _draw_tests(
@@ -476,10 +495,7 @@ def cluster_table(
     samples_per_client: int | None = None,
     shortage: Literal["shrink", "error"] = "shrink",
     relabel: bool = False,
-    test_size: int | None = None,
-    test_ratio: float | None = None,
-    test_fraction: float | None = None,
-    test_reuse: bool = True,
+    test: ClientTestSpec = DEFAULT_TEST_SPEC,
 ) -> Partition:
     """Clusters with explicit per-class sample counts, split equally among their clients.
 
@@ -546,18 +562,7 @@ def cluster_table(
         held = counts_table > 0
         maps = np.where(held, np.cumsum(held, axis=1) - 1, -1)
         label_maps = maps[groups]
-    return _finish(
-        train,
-        y_train,
-        y_test,
-        rng,
-        test_size=test_size,
-        test_ratio=test_ratio,
-        test_fraction=test_fraction,
-        test_reuse=test_reuse,
-        groups=groups,
-        label_maps=label_maps,
-    )
+    return _finish(train, y_train, y_test, rng, test, groups=groups, label_maps=label_maps)
 
 
 def _resolve_table(table: Any, y_train: np.ndarray) -> np.ndarray:
@@ -622,10 +627,7 @@ def label_combinations(
     samples_per_label: int = 50,
     n_clients: int = 100,
     assignment: Literal["even", "random"] = "even",
-    test_size: int | None = None,
-    test_ratio: float | None = None,
-    test_fraction: float | None = None,
-    test_reuse: bool = True,
+    test: ClientTestSpec = DEFAULT_TEST_SPEC,
 ) -> Partition:
     """Clients hold one of a few random label combinations, ``samples_per_label`` each.
 
@@ -690,17 +692,7 @@ def label_combinations(
     for i, g in enumerate(groups):
         counts[i, list(combos[g])] = per_label
     train = _draw_by_counts(y_train, counts, rng, "samples_per_label")
-    return _finish(
-        train,
-        y_train,
-        y_test,
-        rng,
-        test_size=test_size,
-        test_ratio=test_ratio,
-        test_fraction=test_fraction,
-        test_reuse=test_reuse,
-        groups=groups.astype(np.int64),
-    )
+    return _finish(train, y_train, y_test, rng, test, groups=groups.astype(np.int64))
 
 
 def dirichlet(
@@ -713,10 +705,7 @@ def dirichlet(
     samples_per_client: int | None = None,
     draw: Literal["client", "label"] = "client",
     min_samples: int | None = None,
-    test_size: int | None = None,
-    test_ratio: float | None = None,
-    test_fraction: float | None = None,
-    test_reuse: bool = True,
+    test: ClientTestSpec = DEFAULT_TEST_SPEC,
 ) -> Partition:
     """Label skew: class proportions drawn from a symmetric Dirichlet(``alpha``).
 
@@ -769,16 +758,7 @@ def dirichlet(
             rng,
         )
     train = _draw_by_counts(y_train, counts, rng, "samples_per_client")
-    return _finish(
-        train,
-        y_train,
-        y_test,
-        rng,
-        test_size=test_size,
-        test_ratio=test_ratio,
-        test_fraction=test_fraction,
-        test_reuse=test_reuse,
-    )
+    return _finish(train, y_train, y_test, rng, test)
 
 
 def _dirichlet_per_client(
@@ -836,10 +816,7 @@ def shards_powerlaw(
     sigma: float = 2.0,
     min_per_class: int = 5,
     scale: float = 1.0,
-    test_size: int | None = None,
-    test_ratio: float | None = None,
-    test_fraction: float | None = None,
-    test_reuse: bool = True,
+    test: ClientTestSpec = DEFAULT_TEST_SPEC,
 ) -> Partition:
     """Few classes per client, power-law sizes: FedGroup's MNIST (FedProx's generator).
 
@@ -892,17 +869,7 @@ def shards_powerlaw(
         )
     counts = per_slot * holds + _apportion(weights.T, supply - base).T
     train = _draw_by_counts(y_train, counts, rng, "n_clients")
-    return _finish(
-        train,
-        y_train,
-        y_test,
-        rng,
-        test_size=test_size,
-        test_ratio=test_ratio,
-        test_fraction=test_fraction,
-        test_reuse=test_reuse,
-        groups=groups.astype(np.int64),
-    )
+    return _finish(train, y_train, y_test, rng, test, groups=groups.astype(np.int64))
 
 
 def iid(
@@ -912,10 +879,7 @@ def iid(
     *,
     n_clients: int = 100,
     samples_per_client: int | None = None,
-    test_size: int | None = None,
-    test_ratio: float | None = None,
-    test_fraction: float | None = None,
-    test_reuse: bool = True,
+    test: ClientTestSpec = DEFAULT_TEST_SPEC,
 ) -> Partition:
     """An equal random split: the IID control of every paper (e.g. CFLGT Sec. III-C).
 
@@ -935,16 +899,7 @@ def iid(
         total = size * n_clients
     chosen = rng.permutation(len(y_train))[:total]
     train = [np.sort(part) for part in np.array_split(chosen, n_clients)]
-    return _finish(
-        train,
-        y_train,
-        y_test,
-        rng,
-        test_size=test_size,
-        test_ratio=test_ratio,
-        test_fraction=test_fraction,
-        test_reuse=test_reuse,
-    )
+    return _finish(train, y_train, y_test, rng, test)
 
 
 # --------------------------------------------------------------------------- rotations
@@ -1096,12 +1051,18 @@ def make_partition(
     if name not in PARTITIONS:
         raise ConfigError(f"partition: unknown name {name!r}; allowed: {sorted(PARTITIONS)}")
     func = PARTITIONS[name]
+    params = inspect.signature(func).parameters
     allowed = [
         p.name
-        for p in inspect.signature(func).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
+        for p in params.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "test"
     ]
+    if "test" in params:
+        allowed += list(TEST_OPTIONS)
     for key in options:
         if key not in allowed:
             raise ConfigError(f"partition {name!r} has no option {key!r}; allowed: {allowed}")
+    test = {TEST_OPTIONS[k]: options.pop(k) for k in list(options) if k in TEST_OPTIONS}
+    if test:
+        options["test"] = ClientTestSpec(**test)
     return func(y_train, y_test, rng, **options)
