@@ -14,24 +14,49 @@ from fedcluster.engine.batches import LocalTraining
 from tests.helpers import make_context, rotated_digits
 
 
+def _scores(loss, grads, deltas, **kw):
+    """jgl_scores on the products of hand-made gradients [n, K, d] and updates [K, d]."""
+    sq = grads.square().sum(dim=2)
+    dot = torch.einsum("nkd,kd->nk", grads, deltas)
+    return jgl_scores(loss, sq, dot, deltas.square().sum(dim=1), **kw)
+
+
 def test_scores_follow_eq_4_with_descent_sign():
     loss = torch.tensor([[1.0, 2.0]])
     grads = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
     deltas = torch.tensor([[-1.0, 0.0], [0.0, 1.0]])
-    s = jgl_scores(loss, grads, deltas, lam=0.5)
+    s = _scores(loss, grads, deltas, lam=0.5)
     # cos(-g0, d0) = 1 ; cos(-g1, d1) = -1
-    assert torch.allclose(s, torch.tensor([[0.5 * 1 - 0.5 * 1.0, 0.5 * -1 - 0.5 * 2.0]]))
-    literal = jgl_scores(loss, grads, deltas, lam=0.5, gradient_sign="literal")
-    assert torch.allclose(literal, torch.tensor([[0.5 * -1 - 0.5, 0.5 * 1 - 1.0]]))
-    euclid = jgl_scores(loss, grads, deltas, lam=1.0, similarity="euclidean")
-    assert torch.allclose(euclid, torch.tensor([[-0.0, -2.0]]))
+    expected = torch.tensor([[0.5 * 1 - 0.5 * 1.0, 0.5 * -1 - 0.5 * 2.0]], dtype=torch.float64)
+    assert torch.allclose(s, expected)
+    literal = _scores(loss, grads, deltas, lam=0.5, gradient_sign="literal")
+    expected = torch.tensor([[0.5 * -1 - 0.5, 0.5 * 1 - 1.0]], dtype=torch.float64)
+    assert torch.allclose(literal, expected)
+    euclid = _scores(loss, grads, deltas, lam=1.0, similarity="euclidean")
+    # -‖-g0 - d0‖ = 0 ; -‖-g1 - d1‖ = -2
+    assert torch.allclose(euclid, torch.tensor([[-0.0, -2.0]], dtype=torch.float64))
+
+
+def test_scores_equal_the_similarities_on_random_vectors():
+    gen = torch.Generator().manual_seed(0)
+    loss, grads, deltas = (
+        torch.rand(3, 2, generator=gen),
+        torch.randn(3, 2, 7, generator=gen),
+        torch.randn(2, 7, generator=gen),
+    )
+    cos = torch.nn.functional.cosine_similarity(-grads, deltas.unsqueeze(0), dim=2)
+    s = _scores(loss, grads, deltas, lam=0.3)
+    assert torch.allclose(s, 0.3 * cos.double() - 0.7 * loss.double(), atol=1e-6)
+    dist = (-grads - deltas.unsqueeze(0)).norm(dim=2)
+    e = _scores(loss, grads, deltas, lam=0.3, similarity="euclidean")
+    assert torch.allclose(e, -0.3 * dist.double() - 0.7 * loss.double(), atol=1e-5)
 
 
 def test_scores_use_loss_alone_before_any_update():
     loss = torch.tensor([[3.0, 1.0]])
     grads = torch.randn(1, 2, 5)
-    s = jgl_scores(loss, grads, torch.zeros(2, 5), lam=0.9)
-    assert torch.allclose(s, -0.1 * loss)
+    s = _scores(loss, grads, torch.zeros(2, 5), lam=0.9)
+    assert torch.allclose(s, -0.1 * loss.double())
 
 
 def test_empty_cluster_fix_gives_every_cluster_a_device():

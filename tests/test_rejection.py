@@ -10,7 +10,7 @@ import torch
 
 import fedcluster.algorithms.cflgt as cflgt_module
 from fedcluster.algorithms import ALGORITHMS
-from fedcluster.algorithms.base import Algorithm, State
+from fedcluster.algorithms.base import Algorithm, State, UpdateBound
 from tests.helpers import make_context, rotated_digits
 
 N_CLIENTS = 8
@@ -230,3 +230,21 @@ def test_fesem_seeds_only_with_enough_accepted_models(federation, monkeypatch):
     alg.run_round(state, 2, np.arange(N_CLIENTS))
     assert state["seeded"] and (state["assign"] >= 0).all()
     assert_finite(alg, state)
+
+
+def test_finite_and_norm_checks_are_exact_at_float32_extremes(federation):
+    ctx = make_context(federation, hidden=[8])
+    clients = np.arange(4)
+    huge = torch.tensor(
+        [
+            [3e38, 3e38, 0.0],  # finite, but its float32 sum overflows
+            [1.0, float("inf"), -float("inf")],
+            [float("nan"), 0.0, 0.0],
+            [1e20, 1e20, 0.0],  # finite; float32 squares overflow
+        ]
+    )
+    finite = ctx.accept_finite(clients, huge, rnd=1, what="update")
+    assert finite.tolist() == [True, False, False, True]
+    ctx.bound = UpdateBound(norm_factor=None, max_norm=1e21)
+    kept = ctx.accept_bounded(clients, huge, finite, rnd=1)
+    assert kept.tolist() == [False, False, False, True]  # ‖row 3‖ = 1.41e20 ≤ 1e21 < ‖row 0‖

@@ -223,6 +223,8 @@ def test_a_client_never_trains_before_it_joins(rotated, tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "start_round", start_round)
     monkeypatch.setattr(Simulator, "train", spy(Simulator.train))
     monkeypatch.setattr(Simulator, "losses_and_grads", spy(Simulator.losses_and_grads))
+    products = spy(Simulator.losses_and_gradient_products)
+    monkeypatch.setattr(Simulator, "losses_and_gradient_products", products)
     trajectories = spy(cflgt_module.gradient_trajectories)
     monkeypatch.setattr(cflgt_module, "gradient_trajectories", trajectories)
     small = {**CLUSTERED, "flhc": {"pretrain_rounds": 1}, "cfl": {"warmup_rounds": 1}}

@@ -120,6 +120,24 @@ def test_losses_and_grads_match_autograd(mnist_federation, use_kernel):
             assert (grads[i, k] - g).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_gradient_products_equal_those_of_the_full_gradients(mnist_federation, use_kernel):
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[16, 8])
+    models = torch.stack([init_row(model, 0, "m", k) for k in range(3)])
+    directions = torch.stack([init_row(model, 0, "dir", k) for k in range(3)])
+    sim = Simulator(model, mnist_federation, seed=3, use_kernel=use_kernel)
+    cfg = LocalTraining(batch_size=8)
+    clients = np.array([1, 4, 6])
+    loss, grads = sim.losses_and_grads(clients, models, cfg, rnd=2)
+    loss2, sq, dot = sim.losses_and_gradient_products(clients, models, directions, cfg, rnd=2)
+    g = grads.double()
+    assert torch.allclose(loss2, loss)
+    assert torch.allclose(sq, g.square().sum(dim=2), rtol=1e-5)
+    assert torch.allclose(
+        dot, torch.einsum("nkd,kd->nk", g, directions.double()), rtol=1e-4, atol=1e-7
+    )
+
+
 def test_evaluate_counts_each_clients_own_test_samples(mnist_federation):
     model = build_model("mclr", (1, 28, 28), 10)
     rows = torch.stack([init_row(model, 0, "e", k) for k in range(2)])

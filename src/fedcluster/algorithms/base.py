@@ -263,7 +263,12 @@ class Context:
         :meth:`exchange` for models and by algorithms for other uploads (e.g.
         CFLGT's gradient trajectories).
         """
-        keep = torch.isfinite(payload.flatten(1)).all(dim=1).numpy()
+        flat = payload.flatten(1)
+        # A row sum is finite unless the row holds NaN/Inf (or overflows): check only those.
+        keep = flat.sum(dim=1).isfinite()
+        for i in torch.nonzero(~keep).flatten().tolist():
+            keep[i] = bool(torch.isfinite(flat[i]).all())
+        keep = keep.numpy()
         for c in clients[~keep]:
             self._reject(c, rnd, what, "non-finite values")
         return keep
@@ -275,7 +280,10 @@ class Context:
 
         The others among the finite ones are rejected (see :class:`UpdateBound`).
         """
-        norms = updates.double().norm(dim=1).numpy()
+        norms = updates.norm(dim=1).double()
+        overflow = torch.nonzero(~norms.isfinite()).flatten()  # float32 squares overflow
+        norms[overflow] = updates[overflow].double().norm(dim=1)
+        norms = norms.numpy()
         limit = math.inf if self.bound.max_norm is None else self.bound.max_norm
         ok_norms = norms[finite]
         if self.bound.norm_factor is not None and len(ok_norms) >= MEDIAN_MIN_UPDATES:

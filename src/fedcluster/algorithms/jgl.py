@@ -18,6 +18,10 @@ cos(−∇L_{i,k}, Δw_k) and ``"literal"`` reproduces the printed form. Before 
 cluster has been updated (Δw_k = 0) the similarity is 0 and the loss decides.
 The euclidean alternative of Sec. II-B is S = −‖g − Δw_k‖ with the same sign
 convention for g.
+
+Both similarities need only ‖∇L_{i,k}‖² and ⟨∇L_{i,k}, Δw_k⟩, which the
+simulator computes without forming the K gradients of d floats per device
+(:meth:`~fedcluster.engine.simulator.Simulator.losses_and_gradient_products`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ from fedcluster.algorithms.cluster_models import (
     argmax_random_ties,
 )
 
-CLIENT_CHUNK = 16  # clients whose K gradients are held in memory at once
-
 
 class JGLParams(ClusterModelParams):
     lam: float = Field(0.2, ge=0.0, le=1.0, description="weight λ of the similarity (eq. 4)")
@@ -51,23 +53,29 @@ class JGLParams(ClusterModelParams):
 
 def jgl_scores(
     loss: torch.Tensor,
-    grads: torch.Tensor,
-    deltas: torch.Tensor,
+    grad_sq: torch.Tensor,
+    grad_dot: torch.Tensor,
+    delta_sq: torch.Tensor,
     lam: float,
     similarity: str = "cosine",
     gradient_sign: str = "descent",
 ) -> torch.Tensor:
-    """Eq. 4's objective λ·S_{i,k} + (1 − λ)·(−L_{i,k}) for losses [n, K], grads [n, K, d]."""
-    g = -grads if gradient_sign == "descent" else grads
-    updated = deltas.norm(dim=1) > 0
+    """Eq. 4's objective λ·S_{i,k} + (1 − λ)·(−L_{i,k}) from gradient products.
+
+    ``loss`` [n, K] is L_{i,k}; ``grad_sq`` [n, K] = ‖∇L_{i,k}‖²; ``grad_dot``
+    [n, K] = ⟨∇L_{i,k}, Δw_k⟩; ``delta_sq`` [K] = ‖Δw_k‖². With g = ∓∇L (the
+    sign convention, module docstring) the cosine similarity is ⟨g, Δw⟩ /
+    (‖g‖‖Δw‖) and the euclidean one −‖g − Δw‖ = −√(‖g‖² − 2⟨g, Δw⟩ + ‖Δw‖²).
+    """
+    dot = (-grad_dot if gradient_sign == "descent" else grad_dot).double()
+    grad_sq, delta_sq = grad_sq.double(), delta_sq.double().unsqueeze(0)
     if similarity == "cosine":
-        num = torch.einsum("nkd,kd->nk", g, deltas)
-        den = g.norm(dim=2) * deltas.norm(dim=1).unsqueeze(0)
-        sim = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
+        den = grad_sq.sqrt() * delta_sq.sqrt()
+        sim = torch.where(den > 0, dot / den.clamp(min=1e-300), torch.zeros_like(dot))
     else:
-        sim = -(g - deltas.unsqueeze(0)).norm(dim=2)
-    sim = torch.where(updated.unsqueeze(0), sim, torch.zeros_like(sim))
-    return lam * sim + (1.0 - lam) * (-loss)
+        sim = -(grad_sq - 2.0 * dot + delta_sq).clamp(min=0.0).sqrt()
+    sim = torch.where(delta_sq > 0, sim, torch.zeros_like(sim))
+    return lam * sim + (1.0 - lam) * (-loss.double())
 
 
 def fix_empty_clusters(choice: np.ndarray, n_clusters: int, rng: np.random.Generator) -> np.ndarray:
@@ -94,20 +102,19 @@ class JGL(ClusterModelAlgorithm):
     def choose(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
         p = self.params
         ctx = self.ctx
-        scores = []
-        batch = np.minimum(ctx.train_sizes[selected], ctx.train.batch_size)
-        for s in range(0, len(selected), CLIENT_CHUNK):
-            part = selected[s : s + CLIENT_CHUNK]
-            loss, grads = ctx.sim.losses_and_grads(part, state["models"], ctx.train, rnd, "decide")
-            if p.loss_reduction == "sum":
-                b = torch.as_tensor(batch[s : s + CLIENT_CHUNK], dtype=loss.dtype)
-                loss = loss * b.unsqueeze(1)
-                grads = grads * b.view(-1, 1, 1)
-            scores.append(
-                jgl_scores(loss, grads, state["delta"], p.lam, p.similarity, p.gradient_sign)
-            )
+        delta = state["delta"]
+        loss, grad_sq, grad_dot = ctx.sim.losses_and_gradient_products(
+            selected, state["models"], delta, ctx.train, rnd, "decide"
+        )
+        if p.loss_reduction == "sum":  # eq. 1: L and its gradient are sums over the batch
+            b = torch.as_tensor(np.minimum(ctx.train_sizes[selected], ctx.train.batch_size))
+            loss = loss * b.unsqueeze(1).to(loss.dtype)
+            grad_sq = grad_sq * b.unsqueeze(1).double().square()
+            grad_dot = grad_dot * b.unsqueeze(1).double()
+        delta_sq = delta.double().square().sum(dim=1)
+        scores = jgl_scores(loss, grad_sq, grad_dot, delta_sq, p.lam, p.similarity, p.gradient_sign)
         rng = self.tie_rng(rnd)
-        choice = argmax_random_ties(torch.cat(scores), rng)
+        choice = argmax_random_ties(scores, rng)
         if p.empty_cluster_fix:
             choice = fix_empty_clusters(choice, p.n_clusters, rng)
         return choice

@@ -264,3 +264,37 @@ class MLPKernel:
             if i > 0:
                 d = torch.bmm(d, w.transpose(1, 2)).mul_(h > 0)
         return loss, grads
+
+    def loss_and_gradient_products(
+        self,
+        params: LayerParams,
+        directions: LayerParams,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch losses [G], ‖g‖² [G] and ⟨g, D⟩ [G] for the gradients g, without forming g.
+
+        ``directions`` are stacks D in the layout of ``params``. Layer l's weight
+        gradient is Hᵀδ (inputs H [B, in], output gradients δ [B, out]), so
+        ⟨Hᵀδ, D⟩ = Σ_b h_b·(D δ_b) = sum((H D) ⊙ δ) and
+        ‖Hᵀδ‖² = sum((H Hᵀ) ⊙ (δ δᵀ)) with B × B Gram matrices; the bias
+        gradient is Σ_b δ_b. This costs about one extra forward pass instead of
+        writing and re-reading a d-float gradient per member (JGL's eq. 3 needs
+        only these two numbers).
+        """
+        acts, logits = self.forward(params, x)
+        loss, d = self.loss_and_dlogits(logits, y, weight)
+        sq = torch.zeros(x.shape[0], dtype=torch.float64)
+        dot = torch.zeros(x.shape[0], dtype=torch.float64)
+        for i in range(len(params) - 1, -1, -1):
+            w = params[i][0]
+            dw, db = directions[i]
+            h = acts[i]
+            gb = d.sum(dim=1)
+            dot += (torch.bmm(h, dw) * d).sum(dim=(1, 2)) + (gb * db).sum(dim=1)
+            gram = torch.bmm(h, h.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))
+            sq += gram.sum(dim=(1, 2)) + gb.square().sum(dim=1)
+            if i > 0:
+                d = torch.bmm(d, w.transpose(1, 2)).mul_(h > 0)
+        return loss, sq, dot

@@ -8,6 +8,8 @@ the packed federation data:
   with FedProx's proximal term, momentum, or classifier-only fine-tuning);
 - ``losses_and_grads``: loss and gradient of K given models on one mini-batch
   of each client (JGL eq. 1-3, IFCA's cluster estimate);
+  ``losses_and_gradient_products`` reduces each gradient to its squared norm
+  and its dot product with a direction per model (all JGL's eq. 3 needs);
 - ``evaluate``: test (or train) loss and accuracy of the model each client uses.
 
 MLPs run through :class:`~fedcluster.engine.mlp_kernel.MLPKernel` on groups of
@@ -399,18 +401,15 @@ class Simulator:
         """
         clients = np.asarray(clients, dtype=np.int64)
         k = models.shape[0]
-        one_batch = LocalTraining(lr=cfg.lr, batch_size=cfg.batch_size, steps=1)
         with self.timed():
-            batches = [p[0] for p in self.plans(clients, one_batch, rnd, purpose)]
+            batches = self._decision_batches(clients, cfg, rnd, purpose)
             losses = torch.empty(len(clients), k)
             grads = torch.empty(len(clients), k, self.layout.dim) if with_grads else None
+            params = self.kernel.unpack(models) if self.kernel is not None else None
             for i, idx in enumerate(batches):
                 x, y = self.federation.x_train[idx], self.federation.y_train[idx]
                 if self.kernel is not None:
-                    xs = x.reshape(1, len(idx), -1).expand(k, -1, -1)
-                    ys = y.view(1, -1).expand(k, -1)
-                    weight = torch.full((k, len(idx)), 1.0 / len(idx))
-                    params = self.kernel.unpack(models)
+                    xs, ys, weight = _replicate_batch(self._x_flat[idx], y, k)
                     if with_grads:
                         losses[i], grads[i] = self.kernel.loss_and_grad(params, xs, ys, weight)
                     else:
@@ -418,12 +417,67 @@ class Simulator:
                         losses[i] = self.kernel.loss_and_dlogits(logits, ys, weight)[0]
                     continue
                 for j in range(k):
-                    w = models[j].clone().requires_grad_(with_grads)
-                    loss = F.cross_entropy(self.layout.forward(w, x), y)
-                    losses[i, j] = loss.detach()
-                    if with_grads:
-                        grads[i, j] = torch.autograd.grad(loss, w)[0]
+                    losses[i, j], g = self._loss_and_gradient(models[j], x, y, with_grads)
+                    if grads is not None:
+                        grads[i, j] = g
         return losses, grads
+
+    def losses_and_gradient_products(
+        self,
+        clients: np.ndarray,
+        models: torch.Tensor,
+        directions: torch.Tensor,
+        cfg: LocalTraining,
+        rnd: int,
+        purpose: str = "decide",
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Loss L [n, K], ‖∇L‖² [n, K] and ⟨∇L, directions_k⟩ [n, K] on one mini-batch per client.
+
+        The same batches and gradients as :meth:`losses_and_grads`, reduced to
+        the two numbers JGL's similarity (eq. 3) needs; the MLP kernel never
+        forms the [n, K, d] gradients (:meth:`MLPKernel.loss_and_gradient_products`).
+        Products are float64.
+        """
+        clients = np.asarray(clients, dtype=np.int64)
+        k = models.shape[0]
+        with self.timed():
+            batches = self._decision_batches(clients, cfg, rnd, purpose)
+            losses = torch.empty(len(clients), k)
+            sq = torch.empty(len(clients), k, dtype=torch.float64)
+            dot = torch.empty(len(clients), k, dtype=torch.float64)
+            if self.kernel is not None:
+                params, dirs = self.kernel.unpack(models), self.kernel.unpack(directions)
+            for i, idx in enumerate(batches):
+                y = self.federation.y_train[idx]
+                if self.kernel is not None:
+                    xs, ys, weight = _replicate_batch(self._x_flat[idx], y, k)
+                    losses[i], sq[i], dot[i] = self.kernel.loss_and_gradient_products(
+                        params, dirs, xs, ys, weight
+                    )
+                    continue
+                for j in range(k):
+                    losses[i, j], g = self._loss_and_gradient(
+                        models[j], self.federation.x_train[idx], y, True
+                    )
+                    g = g.double()
+                    sq[i, j], dot[i, j] = g.dot(g), g.dot(directions[j].double())
+        return losses, sq, dot
+
+    def _decision_batches(
+        self, clients: np.ndarray, cfg: LocalTraining, rnd: int, purpose: str
+    ) -> list[torch.Tensor]:
+        """The first batch of each client's plan for ``purpose`` (one mini-batch per decision)."""
+        one_batch = LocalTraining(lr=cfg.lr, batch_size=cfg.batch_size, steps=1)
+        return [p[0] for p in self.plans(clients, one_batch, rnd, purpose)]
+
+    def _loss_and_gradient(
+        self, row: torch.Tensor, x: torch.Tensor, y: torch.Tensor, with_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mean cross-entropy of the model ``row`` on (x, y) and, if asked, its gradient."""
+        w = row.clone().requires_grad_(with_grad)
+        loss = F.cross_entropy(self.layout.forward(w, x), y)
+        grad = torch.autograd.grad(loss, w)[0] if with_grad else None
+        return loss.detach(), grad
 
     # --------------------------------------------------------------- evaluate
     @torch.no_grad()
@@ -499,6 +553,14 @@ def _run_on_threads(
             list(pool.map(run, groups))
     finally:
         torch.set_num_threads(intra)
+
+
+def _replicate_batch(
+    x: torch.Tensor, y: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One client's batch as a group of ``k`` identical members for the kernel."""
+    weight = torch.full((k, len(y)), 1.0 / len(y))
+    return x.unsqueeze(0).expand(k, -1, -1), y.view(1, -1).expand(k, -1), weight
 
 
 def _stack_plans(plans: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
