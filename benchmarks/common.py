@@ -24,6 +24,7 @@ def default_data_dir() -> str:
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first .. first + seeds - 1")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--data-dir", default=default_data_dir())
     p.add_argument("--out", default="runs/benchmarks")
@@ -31,10 +32,19 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def run_setting(
-    preset: str, sets: list[str], seeds: int, out: Path, data_dir: str, rounds: int | None = None
+    preset: str,
+    sets: list[str],
+    seeds: int,
+    out: Path,
+    data_dir: str,
+    rounds: int | None = None,
+    first_seed: int = 0,
 ) -> list[dict]:
     """Run a preset with overrides for ``seeds`` seeds; returns the job summaries."""
-    overrides = {"seeds": list(range(seeds)), "data": {"data_dir": data_dir}}
+    overrides = {
+        "seeds": list(range(first_seed, first_seed + seeds)),
+        "data": {"data_dir": data_dir},
+    }
     if rounds is not None:
         overrides["rounds"] = rounds
     config = resolve_config(None, preset, sets, overrides)

@@ -9,6 +9,10 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
     python -m benchmarks.reproduce dcfl-table1 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-table2 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-fig5 --seeds 3 --out runs/repro
+    python -m benchmarks.reproduce summarize --runs DIR [DIR ...] --last 10
+
+``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process), and
+``summarize`` builds the table from run directories written that way.
 
 Scores: ``final`` is the pooled test accuracy of the last round; ``max`` the
 best over evaluated rounds (FedGroup's Table III); ``last-N`` the mean over
@@ -20,6 +24,7 @@ evaluated rounds (DCFL Tables I and II).
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -85,7 +90,10 @@ def score_table(jobs: list[Row], last: int, setting: str | None = None) -> list[
 
 
 def _run(preset: str, sets: list[str], args, tag: str, last: int, setting=None) -> list[Row]:
-    jobs = run_setting(preset, sets, args.seeds, Path(args.out) / tag, args.data_dir, args.rounds)
+    if args.first_seed:
+        tag = f"{tag}-from-seed-{args.first_seed}"
+    out = Path(args.out) / tag
+    jobs = run_setting(preset, sets, args.seeds, out, args.data_dir, args.rounds, args.first_seed)
     return score_table(jobs, last, setting)
 
 
@@ -139,6 +147,20 @@ def dcfl_fig5(args) -> list[Row]:
     return table
 
 
+def load_jobs(run_dirs: list[Path]) -> list[Row]:
+    """Jobs (algorithm, seed, metric rows) read back from run directories' ``metrics.csv``."""
+    jobs: dict[tuple[str, int], list[Row]] = {}
+    for run_dir in run_dirs:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            for r in csv.DictReader(f):
+                row: Row = {
+                    k: float(v) if v else math.nan for k, v in r.items() if k != "algorithm"
+                }
+                row["round"] = int(r["round"])
+                jobs.setdefault((r["algorithm"], int(r["seed"])), []).append(row)
+    return [{"algorithm": a, "seed": s, "rows": rows} for (a, s), rows in jobs.items()]
+
+
 EXPERIMENTS: dict[str, Callable] = {
     "cflgt-s1": cflgt_s1,
     "fedgroup-mnist": fedgroup_mnist,
@@ -150,9 +172,14 @@ EXPERIMENTS: dict[str, Callable] = {
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    p.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "summarize"])
+    p.add_argument("--runs", nargs="*", default=[], help="summarize: run directories")
+    p.add_argument("--last", type=int, default=10, help="summarize: N of the last-N score")
     args = p.parse_args()
-    table = EXPERIMENTS[args.experiment](args)
+    if args.experiment == "summarize":
+        table = score_table(load_jobs([Path(d) for d in args.runs]), args.last)
+    else:
+        table = EXPERIMENTS[args.experiment](args)
     save_json(Path(args.out) / f"{args.experiment}.json", table)
     print(format_table(table))
 
