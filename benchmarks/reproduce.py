@@ -9,7 +9,7 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
     python -m benchmarks.reproduce dcfl-table1 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-table2 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-fig5 --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce summarize --runs DIR [DIR ...] --last 10
+    python -m benchmarks.reproduce summarize --runs DIR[:SEEDS] [...] --last 10
 
 ``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process), and
 ``summarize`` builds the table from run directories written that way.
@@ -147,12 +147,19 @@ def dcfl_fig5(args) -> list[Row]:
     return table
 
 
-def load_jobs(run_dirs: list[Path]) -> list[Row]:
-    """Jobs (algorithm, seed, metric rows) read back from run directories' ``metrics.csv``."""
+def load_jobs(runs: list[str]) -> list[Row]:
+    """Jobs (algorithm, seed, metric rows) read back from run directories' ``metrics.csv``.
+
+    A run given as ``DIR:0,1`` contributes only seeds 0 and 1.
+    """
     jobs: dict[tuple[str, int], list[Row]] = {}
-    for run_dir in run_dirs:
-        with open(run_dir / "metrics.csv", newline="") as f:
+    for run in runs:
+        run_dir, _, only = run.partition(":")
+        seeds = {int(s) for s in only.split(",")} if only else None
+        with open(Path(run_dir) / "metrics.csv", newline="") as f:
             for r in csv.DictReader(f):
+                if seeds is not None and int(r["seed"]) not in seeds:
+                    continue
                 row: Row = {
                     k: float(v) if v else math.nan for k, v in r.items() if k != "algorithm"
                 }
@@ -173,11 +180,11 @@ EXPERIMENTS: dict[str, Callable] = {
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "summarize"])
-    p.add_argument("--runs", nargs="*", default=[], help="summarize: run directories")
+    p.add_argument("--runs", nargs="*", default=[], help="summarize: run directories [DIR:SEEDS]")
     p.add_argument("--last", type=int, default=10, help="summarize: N of the last-N score")
     args = p.parse_args()
     if args.experiment == "summarize":
-        table = score_table(load_jobs([Path(d) for d in args.runs]), args.last)
+        table = score_table(load_jobs(args.runs), args.last)
     else:
         table = EXPERIMENTS[args.experiment](args)
     save_json(Path(args.out) / f"{args.experiment}.json", table)
