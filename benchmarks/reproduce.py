@@ -133,9 +133,9 @@ def dcfl_table2(args) -> list[Row]:
     return _run("dcfl-emnist-dynamic", sets, args, "dcfl-t2", 10)
 
 
+# Fig. 5's second setting (newcomers, drift, no DP) is dcfl-table1's "DP none" run.
 FIG5 = {
     "static, no DP": ["scenario.joins={}", "scenario.drift=[]", "privacy.mode=none"],
-    "newcomers + drift, no DP": ["privacy.mode=none"],
     "newcomers, no drift, DP": ["scenario.drift=[]", "privacy.mode=record"],
     "no newcomers, drift, DP": ["scenario.joins={}", "privacy.mode=record"],
 }
