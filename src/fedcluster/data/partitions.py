@@ -39,7 +39,7 @@ import io
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 from typing import Any, Literal
 
@@ -257,12 +257,8 @@ class ClientTestSpec:
 
 
 DEFAULT_TEST_SPEC = ClientTestSpec()
-TEST_OPTIONS = {
-    "test_size": "size",
-    "test_ratio": "ratio",
-    "test_fraction": "fraction",
-    "test_reuse": "reuse",
-}
+TEST_OPTIONS = {f"test_{f.name}": f.name for f in fields(ClientTestSpec)}
+"""The flat partition options (config keys) of :class:`ClientTestSpec`'s fields."""
 
 
 def _finish(

@@ -19,6 +19,7 @@ their steps) carry weight 0, so they contribute nothing to any gradient.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,23 @@ class MLPKernel:
             h = torch.relu(z)
             acts.append(h)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def backward(
+        params: LayerParams, acts: list[torch.Tensor], d: torch.Tensor, last: int = 0
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Backpropagation without updates: ``(layer i, its input H_i, its output gradient δ_i)``.
+
+        From the top layer down to layer ``last``, starting from ``d`` = the
+        logits' gradient; δ_{i−1} = (δ_i W_iᵀ) ⊙ [H_i > 0]. The weights must
+        not change while the walk runs (:meth:`sgd_step` interleaves updates
+        and walks by itself).
+        """
+        for i in range(len(params) - 1, last - 1, -1):
+            h = acts[i]
+            yield i, h, d
+            if i > last:
+                d = torch.bmm(d, params[i][0].transpose(1, 2)).mul_(h > 0)
 
     @staticmethod
     def loss_and_dlogits(
@@ -213,16 +231,13 @@ class MLPKernel:
         """
         acts, logits = self.forward(params, x)
         count = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        loss, d = self.loss_and_dlogits(logits, y, mask)  # per-sample dlogits, unscaled
+        loss, dlogits = self.loss_and_dlogits(logits, y, mask)  # per-sample, unscaled
         loss = loss / count.squeeze(1)
         deltas: dict[int, torch.Tensor] = {}
         sq = torch.zeros(mask.shape)
-        for i in range(len(params) - 1, first_trainable - 1, -1):
+        for i, h, d in self.backward(params, acts, dlogits, first_trainable):
             deltas[i] = d
-            h = acts[i]
             sq += d.square().sum(dim=-1) * (h.square().sum(dim=-1) + 1.0)
-            if i > first_trainable:
-                d = torch.bmm(d, params[i][0].transpose(1, 2)).mul_(h > 0)
         factor = (clip / sq.sqrt().clamp(min=clip)) * mask  # [G, B]
         first = self.layers[first_trainable].weight.start
         for i in range(first_trainable, len(params)):
@@ -253,16 +268,12 @@ class MLPKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch losses [G] and full flat gradients [G, d] (no update)."""
         acts, logits = self.forward(params, x)
-        loss, d = self.loss_and_dlogits(logits, y, weight)
+        loss, dlogits = self.loss_and_dlogits(logits, y, weight)
         grads = torch.empty(x.shape[0], self.dim, dtype=x.dtype)
-        for i in range(len(params) - 1, -1, -1):
-            w, _ = params[i]
+        for i, h, d in self.backward(params, acts, dlogits):
             lay = self.layers[i]
-            h = acts[i]
             grads[:, lay.weight] = torch.bmm(d.transpose(1, 2), h).reshape(x.shape[0], -1)
             grads[:, lay.bias] = d.sum(dim=1)
-            if i > 0:
-                d = torch.bmm(d, w.transpose(1, 2)).mul_(h > 0)
         return loss, grads
 
     def loss_and_gradient_products(
@@ -284,17 +295,13 @@ class MLPKernel:
         only these two numbers).
         """
         acts, logits = self.forward(params, x)
-        loss, d = self.loss_and_dlogits(logits, y, weight)
+        loss, dlogits = self.loss_and_dlogits(logits, y, weight)
         sq = torch.zeros(x.shape[0], dtype=torch.float64)
         dot = torch.zeros(x.shape[0], dtype=torch.float64)
-        for i in range(len(params) - 1, -1, -1):
-            w = params[i][0]
+        for i, h, d in self.backward(params, acts, dlogits):
             dw, db = directions[i]
-            h = acts[i]
             gb = d.sum(dim=1)
             dot += (torch.bmm(h, dw) * d).sum(dim=(1, 2)) + (gb * db).sum(dim=1)
             gram = torch.bmm(h, h.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))
             sq += gram.sum(dim=(1, 2)) + gb.square().sum(dim=1)
-            if i > 0:
-                d = torch.bmm(d, w.transpose(1, 2)).mul_(h > 0)
         return loss, sq, dot

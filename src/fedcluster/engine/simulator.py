@@ -407,7 +407,7 @@ class Simulator:
             grads = torch.empty(len(clients), k, self.layout.dim) if with_grads else None
             params = self.kernel.unpack(models) if self.kernel is not None else None
             for i, idx in enumerate(batches):
-                x, y = self.federation.x_train[idx], self.federation.y_train[idx]
+                y = self.federation.y_train[idx]
                 if self.kernel is not None:
                     xs, ys, weight = _replicate_batch(self._x_flat[idx], y, k)
                     if with_grads:
@@ -416,6 +416,7 @@ class Simulator:
                         _, logits = self.kernel.forward(params, xs)
                         losses[i] = self.kernel.loss_and_dlogits(logits, ys, weight)[0]
                     continue
+                x = self.federation.x_train[idx]
                 for j in range(k):
                     losses[i, j], g = self._loss_and_gradient(models[j], x, y, with_grads)
                     if grads is not None:
@@ -455,10 +456,9 @@ class Simulator:
                         params, dirs, xs, ys, weight
                     )
                     continue
+                x = self.federation.x_train[idx]
                 for j in range(k):
-                    losses[i, j], g = self._loss_and_gradient(
-                        models[j], self.federation.x_train[idx], y, True
-                    )
+                    losses[i, j], g = self._loss_and_gradient(models[j], x, y, True)
                     g = g.double()
                     sq[i, j], dot[i, j] = g.dot(g), g.dot(directions[j].double())
         return losses, sq, dot
