@@ -327,7 +327,7 @@ class Simulator:
         kernel = self.kernel
         assert kernel is not None
         n = len(plans)
-        out = start.clone()
+        out = torch.empty(start.shape, dtype=start.dtype)  # every row is written by its group
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
@@ -357,21 +357,33 @@ class Simulator:
                     active=weight[:, 0] > 0,
                     momentum=cfg.momentum,
                     buffers=buffers,
-                )
+                )[0]
 
             return step
 
+        plain_sgd = group_steps is None and cfg.momentum == 0.0 and cfg.mu == 0.0 and first == 0
+
         def run_group(members: np.ndarray) -> None:
-            step = (group_steps or plain_steps)(members)
             idx, weight = _stack_plans([plans[m] for m in members])
-            params = kernel.unpack(start[members])
-            anchors = kernel.unpack(start[members]) if cfg.mu > 0.0 else None
-            total = torch.zeros(len(members))
-            for s in range(idx.shape[1]):
-                total += step(params, s, idx[:, s], weight[:, s], anchors)
-            block = out[members]
-            kernel.pack(params, block)
-            out[members] = block
+            rows = torch.as_tensor(members)
+            block = start.index_select(0, rows)
+            if plain_sgd and kernel.deferral(idx.shape[2]) > 1:
+                total = kernel.sgd_deferred(
+                    block,
+                    lambda s0, s1: self._x_flat[idx[:, s0:s1]],
+                    self.federation.y_train[idx],
+                    weight,
+                    cfg.lr,
+                )
+            else:
+                step = (group_steps or plain_steps)(members)
+                params = kernel.unpack(block)
+                anchors = kernel.unpack(block) if cfg.mu > 0.0 else None
+                total = torch.zeros(len(members))
+                for s in range(idx.shape[1]):
+                    total += step(params, s, idx[:, s], weight[:, s], anchors)
+                kernel.pack(params, block)
+            out.index_copy_(0, rows, block)
             m_steps = steps[members]
             losses[members] = torch.where(
                 m_steps > 0, total / m_steps.clamp(min=1), losses[members]

@@ -1,0 +1,59 @@
+"""The MLP kernel's deferred first-layer update is exactly SGD step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.mlp_kernel import MLPKernel
+
+
+def _kernel(*widths: int) -> tuple[MLPKernel, torch.Tensor]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Flatten()]
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=False)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    model = nn.Sequential(*layers)
+    kernel = MLPKernel.detect(model, ParamLayout(model))
+    assert kernel is not None
+    return kernel, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_deferral_follows_the_cost_rule():
+    # B·(T − 1)·(1/in + 1/out)/4 ≤ 0.2: JGL's 784→512 layer at B = 32 defers 8 steps,
+    # a 784→10 MCLR none.
+    assert _kernel(784, 512, 128, 10)[0].deferral(32) == 8
+    assert _kernel(784, 10)[0].deferral(32) == 1
+    assert _kernel(784, 512, 10)[0].deferral(8) == 1 + int(0.8 / (8 * (1 / 784 + 1 / 512)))
+
+
+@pytest.mark.parametrize("widths", [(20, 16, 8, 3), (20, 30)])
+def test_deferred_steps_equal_step_by_step_sgd(widths):
+    kernel, row = _kernel(*widths)
+    g, steps, batch = 3, 7, 4
+    gen = torch.Generator().manual_seed(1)
+    rows = row + 0.1 * torch.randn(g, row.numel(), generator=gen)
+    x = torch.randn(g, steps, batch, widths[0], generator=gen)
+    y = torch.randint(0, widths[-1], (g, steps, batch), generator=gen)
+    weight = torch.full((g, steps, batch), 1.0 / batch)
+    weight[0, -1, 2:] = 0.0  # a short last batch
+    weight[2, 4:] = 0.0  # a member that finished after 4 steps
+    weight[2, 3, :] = 1.0 / batch
+
+    params = kernel.unpack(rows)
+    stepwise = torch.zeros(g)
+    for s in range(steps):
+        stepwise += kernel.sgd_step(params, x[:, s], y[:, s], weight[:, s], 0.3)[0]
+    expected = torch.empty_like(rows)
+    kernel.pack(params, expected)
+
+    assert 1 < kernel.deferral(batch) < steps  # several chunks of several steps
+    deferred = rows.clone()
+    total = kernel.sgd_deferred(deferred, lambda a, b: x[:, a:b], y, weight, 0.3)
+    assert (deferred - expected).abs().max().item() <= 1e-6
+    assert torch.allclose(total, stepwise, atol=1e-6)
+    assert not torch.equal(deferred, rows)
