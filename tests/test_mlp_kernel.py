@@ -57,3 +57,26 @@ def test_deferred_steps_equal_step_by_step_sgd(widths):
     assert (deferred - expected).abs().max().item() <= 1e-6
     assert torch.allclose(total, stepwise, atol=1e-6)
     assert not torch.equal(deferred, rows)
+
+
+def test_skipping_features_that_are_zero_everywhere_is_exact():
+    kernel, row = _kernel(20, 16, 8, 3)
+    gen = torch.Generator().manual_seed(2)
+    rows = row + 0.1 * torch.randn(2, row.numel(), generator=gen)
+    x = torch.randn(2, 6, 4, 20, generator=gen)
+    x[..., :5] = 0.0
+    x[..., 17:] = 0.0
+    y = torch.randint(0, 3, (2, 6, 4), generator=gen)
+    weight = torch.full((2, 6, 4), 0.25)
+
+    full = rows.clone()
+    kernel.sgd_deferred(full, lambda a, b: x[:, a:b], y, weight, 0.3)
+    part = rows.clone()
+    kernel.sgd_deferred(part, lambda a, b: x[:, a:b, :, 5:17], y, weight, 0.3, slice(5, 17))
+    assert (full - part).abs().max().item() <= 1e-6
+    first = kernel.layers[0]
+    w_before = rows[:, first.weight].view(2, 16, 20)
+    w_after = part[:, first.weight].view(2, 16, 20)
+    assert torch.equal(w_after[:, :, :5], w_before[:, :, :5])
+    assert torch.equal(w_after[:, :, 17:], w_before[:, :, 17:])
+    assert not torch.equal(w_after[:, :, 5:17], w_before[:, :, 5:17])

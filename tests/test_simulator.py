@@ -11,7 +11,7 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
-from fedcluster.engine.simulator import Simulator
+from fedcluster.engine.simulator import Simulator, _nonzero_span
 from fedcluster.models import build_model
 
 
@@ -71,6 +71,15 @@ def test_groups_on_worker_threads_equal_plain_loop(mnist_federation, cfg_name):
     again = threaded.train(clients, start, cfg, rnd=1)
     assert torch.equal(fast.rows, again.rows) and torch.equal(fast.loss, again.loss)
     assert torch.get_num_threads() == 1  # the conftest's setting is restored
+
+
+def test_nonzero_span_is_the_smallest_range_of_used_features():
+    x = torch.zeros(4, 10)
+    x[0, 3] = 1.0
+    x[2, 7] = -2.0
+    assert _nonzero_span(x) == slice(3, 8)
+    assert _nonzero_span(torch.zeros(2, 5)) == slice(0, 0)
+    assert _nonzero_span(torch.ones(2, 5)) == slice(0, 5)
 
 
 def test_kernel_and_autograd_paths_agree(mnist_federation):

@@ -133,7 +133,7 @@ class MLPKernel:
             h = acts[i]
             yield i, h, d
             if i > last:
-                d = torch.bmm(d, params[i][0].transpose(1, 2)).mul_(h > 0)
+                d = _relu_backward(torch.bmm(d, params[i][0].transpose(1, 2)), h)
 
     @staticmethod
     def loss_and_dlogits(
@@ -212,7 +212,7 @@ class MLPKernel:
                 w.baddbmm_(h.transpose(1, 2), d, alpha=-lr)
                 b.sub_(d.sum(dim=1), alpha=lr)
             if dh is not None:
-                d = dh.mul_(h > 0)
+                d = _relu_backward(dh, h)
         return loss, (d if input_gradient else None)
 
     def deferral(self, batch_size: int) -> int:
@@ -233,12 +233,16 @@ class MLPKernel:
         y: torch.Tensor,
         weight: torch.Tensor,
         lr: float,
+        features: slice | None = None,
     ) -> torch.Tensor:
         """Plain SGD through all steps of a group, in place on ``rows`` [G, d];
         returns each member's summed batch losses [G].
 
         ``y`` and ``weight`` are [G, S, B] (weight as in :meth:`loss_and_dlogits`);
-        ``inputs(s0, s1)`` gives the inputs of steps s0..s1−1 as [G, s1 − s0, B, in].
+        ``inputs(s0, s1)`` gives the inputs of steps s0..s1−1 as [G, s1 − s0, B, f],
+        restricted to the input ``features`` (default all): the caller may leave
+        out features that are zero in every training sample, since they add
+        nothing to a pre-activation and their weights get zero gradient.
         Inside a chunk of steps starting at c, SGD makes the first layer's
         weights (``nn.Linear`` layout, [out, in]) W_s = W_c − η Σ_{c≤t<s} δ_tᵀ X_t
         (X_t the step's inputs, δ_t its pre-activation gradients), so the
@@ -256,7 +260,7 @@ class MLPKernel:
         """
         g, n_steps, batch = weight.shape
         first = self.layers[0]
-        w1 = rows[:, first.weight].view(g, *first.shape)
+        w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
         total = torch.zeros(g, dtype=rows.dtype)
@@ -387,3 +391,9 @@ class MLPKernel:
             gram = torch.bmm(h, h.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))
             sq += gram.sum(dim=(1, 2)) + gb.square().sum(dim=1)
         return loss, sq, dot
+
+
+def _relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``grad`` where the ReLU output ``out`` is positive, else 0 (autograd's own
+    ReLU backward; one pass, where ``grad.mul_(out > 0)`` makes three)."""
+    return torch.ops.aten.threshold_backward(grad, out, 0.0)

@@ -102,6 +102,7 @@ class Simulator:
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
         self.seconds = 0.0
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
+        self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
 
     @contextmanager
     def timed(self) -> Iterator[None]:
@@ -370,10 +371,11 @@ class Simulator:
             if plain_sgd and kernel.deferral(idx.shape[2]) > 1:
                 total = kernel.sgd_deferred(
                     block,
-                    lambda s0, s1: self._x_flat[idx[:, s0:s1]],
+                    lambda s0, s1: self._x_flat[:, self._features][idx[:, s0:s1]],
                     self.federation.y_train[idx],
                     weight,
                     cfg.lr,
+                    self._features,
                 )
             else:
                 step = (group_steps or plain_steps)(members)
@@ -528,6 +530,19 @@ class Simulator:
                     np.add.at(correct, own, hit.astype(np.int64))
                     np.add.at(loss_sum, own, nll)
         return EvalResult(correct, count, loss_sum)
+
+
+def _nonzero_span(x: torch.Tensor) -> slice:
+    """The smallest range of columns of ``x`` [N, f] outside which every value is 0.
+
+    Handwritten digits leave pixels at the image's top and bottom black: all of
+    MNIST's 60,000 training images use only pixels 12–779 of 784, the 16,000
+    of the JGL round benchmark pixels 34–779. The MLP kernel skips the others.
+    """
+    used = torch.nonzero((x != 0).any(dim=0)).flatten()
+    if len(used) == 0:
+        return slice(0, 0)
+    return slice(int(used[0]), int(used[-1]) + 1)
 
 
 def _broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:
