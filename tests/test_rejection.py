@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import fedcluster.algorithms.cflgt as cflgt_module
 from fedcluster.algorithms import ALGORITHMS
 from fedcluster.algorithms.base import Algorithm, State, UpdateBound
+from fedcluster.engine.simulator import Simulator
 from tests.helpers import make_context, rotated_digits
 
 N_CLIENTS = 8
@@ -147,15 +147,15 @@ def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
     ctx = make_context(federation, **MLP)
     alg = cls(cls.Params(pretrain_rounds=1, cluster_fraction=None), ctx)
     bad: list[int] = []
-    compute = cflgt_module.gradient_trajectories
+    compute = Simulator.gradient_trajectories
 
-    def trajectories(sim, clients, row, normalise):
+    def trajectories(sim, clients, row, normalise=True):
         traj = compute(sim, clients, row, normalise)
         traj[bad[:1], 0, 0] = float("nan")
         traj[bad[1:], :, 1] = float("inf")
         return traj
 
-    monkeypatch.setattr(cflgt_module, "gradient_trajectories", trajectories)
+    monkeypatch.setattr(Simulator, "gradient_trajectories", trajectories)
     state = alg.init_state()
     everyone = np.arange(N_CLIENTS)
     alg.run_round(state, 1, everyone)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import fedcluster.algorithms.cflgt as cflgt_module
 import fedcluster.runner as runner_module
 from fedcluster.algorithms import ALGORITHMS
 from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, UpdateBound
@@ -225,8 +224,8 @@ def test_a_client_never_trains_before_it_joins(rotated, tmp_path, monkeypatch):
     monkeypatch.setattr(Simulator, "losses_and_grads", spy(Simulator.losses_and_grads))
     products = spy(Simulator.losses_and_gradient_products)
     monkeypatch.setattr(Simulator, "losses_and_gradient_products", products)
-    trajectories = spy(cflgt_module.gradient_trajectories)
-    monkeypatch.setattr(cflgt_module, "gradient_trajectories", trajectories)
+    trajectories = spy(Simulator.gradient_trajectories)
+    monkeypatch.setattr(Simulator, "gradient_trajectories", trajectories)
     small = {**CLUSTERED, "flhc": {"pretrain_rounds": 1}, "cfl": {"warmup_rounds": 1}}
     specs = [{"name": n, "params": small.get(n, {})} for n in sorted(ALGORITHMS)]
     specs[[s["name"] for s in specs].index("cflgt")]["params"] = {

@@ -7,9 +7,13 @@ import logging
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedcluster import __version__
 from fedcluster.errors import FedclusterError
+
+if TYPE_CHECKING:
+    from fedcluster.config import ExperimentConfig
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -40,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment and write its run directory")
     _common(run)
     run.add_argument("--seed", type=int, help="random seed")
+    run.add_argument(
+        "--backend",
+        choices=("simulator", "flower"),
+        default="simulator",
+        help="run the client computations in the batched simulator (default) or on "
+        "Flower's simulation engine, one SuperNode per client (needs `pip install "
+        "'fedcluster[flower]'`)",
+    )
 
     compare = sub.add_parser("compare", help="run several algorithms on the same federation")
     _common(compare)
@@ -80,9 +92,22 @@ def _run(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         raise FedclusterError(f"run directory {out} is not empty; choose another --out")
     print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
-    Experiment(config).run(out, progress=not args.quiet)
+    if getattr(args, "backend", "simulator") == "flower":
+        _run_flower(config, out, progress=not args.quiet)
+    else:
+        Experiment(config).run(out, progress=not args.quiet)
     _print_summary(out)
     return 0
+
+
+def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:
+    try:
+        from fedcluster.flower.server import run_simulation
+    except ImportError as exc:
+        raise FedclusterError(
+            f"--backend flower needs Flower: pip install 'fedcluster[flower]' ({exc})"
+        ) from None
+    run_simulation(config, out, progress=progress)
 
 
 def _resume(args: argparse.Namespace) -> int:

@@ -245,6 +245,11 @@ class Experiment:
         m = self.config.model
         return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
 
+    def backend(self, model: nn.Module, federation: Federation, seed: int) -> Simulator:
+        """What runs the client computations: the batched simulator (the Flower
+        backend, :mod:`fedcluster.flower.server`, sends them to nodes instead)."""
+        return Simulator(model, federation, seed=seed, group_size=self.config.group_size)
+
     def run(
         self,
         out: str | Path,
@@ -306,7 +311,7 @@ class Experiment:
         scenario, pool = dynamics
         if scenario.has_drift:  # each job drifts its own copy of the seed's federation
             federation = federation.clone()
-        sim = Simulator(model, federation, seed=seed, group_size=cfg.group_size)
+        sim = self.backend(model, federation, seed)
         ctx = Context(
             sim=sim,
             train=cfg.train.local(),

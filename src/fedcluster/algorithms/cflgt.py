@@ -96,7 +96,6 @@ from fedcluster.algorithms.fedavg import FedAvg
 from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
-from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.rng import numpy_rng
 
 
@@ -247,7 +246,7 @@ class CFLGT(OneShotClustering):
         clients = clients[ctx.respond(clients, rnd)]
         if not len(clients):
             return clients, torch.empty(0)
-        traj = gradient_trajectories(ctx.sim, clients, state["global"], self.params.normalise)
+        traj = ctx.sim.gradient_trajectories(clients, state["global"], self.params.normalise)
         ctx.comm.upload(len(clients), floats=traj[0].numel())
         keep = ctx.accept_finite(clients, traj, rnd, "trajectory")
         return clients[keep], traj[torch.as_tensor(keep)]

@@ -79,6 +79,22 @@ class Federation:
             rotations=None if self.rotations is None else self.rotations.copy(),
         )
 
+    def subset(self, clients: list[int]) -> Federation:
+        """A federation of only these clients' data (in this order), e.g. a Flower node's own."""
+        train = [
+            (self.x_train[self.client_slice(c)], self.y_train[self.client_slice(c)])
+            for c in clients
+        ]
+        test = [
+            (self.x_test[self.client_slice(c, "test")], self.y_test[self.client_slice(c, "test")])
+            for c in clients
+        ]
+        groups = None if self.groups is None else self.groups[clients]
+        part = Federation.from_clients(train, test, self.n_classes, groups)
+        if self.rotations is None:
+            return part
+        return replace(part, rotations=self.rotations[clients].copy())
+
     def client_slice(self, client: int, split: str = "train") -> slice:
         off = self.train_offsets if split == "train" else self.test_offsets
         return slice(int(off[client]), int(off[client + 1]))

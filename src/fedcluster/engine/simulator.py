@@ -27,10 +27,8 @@ draw the same noise and agree to float tolerance.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,8 +38,10 @@ from torch import nn
 
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
+from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.privacy import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
@@ -77,11 +77,15 @@ class EvalResult:
         return self.correct / np.maximum(self.count, 1)
 
 
-class Simulator:
+class Simulator(ClientClock):
     """Batched client computations over a packed federation.
 
     ``group_size`` clients train together on the MLP kernel; the groups run on
     ``threads`` worker threads (default: ``torch.get_num_threads()``).
+    ``client_ids`` names the federation's clients in the random streams (batch
+    plans, DP noise); by default client i is i. A Flower node holding one
+    client of a larger federation passes that client's id, so its batches are
+    those the simulator draws for it.
     """
 
     def __init__(
@@ -92,25 +96,24 @@ class Simulator:
         group_size: int = 4,
         use_kernel: bool = True,
         threads: int | None = None,
+        client_ids: np.ndarray | None = None,
     ) -> None:
         self.model = model
         self.federation = federation
+        if client_ids is not None and len(client_ids) != federation.n_clients:
+            raise ValueError(
+                f"client_ids: {len(client_ids)} ids for {federation.n_clients} clients"
+            )
+        self.client_ids = (
+            np.arange(federation.n_clients) if client_ids is None else np.asarray(client_ids)
+        )
         self.layout = ParamLayout(model)
         self.seed = seed
         self.group_size = max(1, int(group_size))
         self.threads = threads
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
-        self.seconds = 0.0
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
-
-    @contextmanager
-    def timed(self) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds += time.perf_counter() - start
 
     def plans(
         self, clients: np.ndarray, cfg: LocalTraining, rnd: int, purpose: str
@@ -121,7 +124,9 @@ class Simulator:
         return [
             [
                 b + int(offsets[c])
-                for b in batch_plan(int(sizes[c]), cfg, self.seed, purpose, rnd, c)
+                for b in batch_plan(
+                    int(sizes[c]), cfg, self.seed, purpose, rnd, int(self.client_ids[c])
+                )
             ]
             for c in clients
         ]
@@ -230,7 +235,7 @@ class Simulator:
         def gradients(i: int) -> StepGradient:
             c = int(clients[i])
             sigma = dp.sigma(c)
-            gen = dp.generator(self.seed, purpose, rnd, c)
+            gen = dp.generator(self.seed, purpose, rnd, int(self.client_ids[c]))
             expected = _expected_batch(int(sizes[c]), cfg.batch_size)
 
             def step(w: torch.Tensor, idx: torch.Tensor, head: slice) -> tuple[torch.Tensor, float]:
@@ -276,7 +281,7 @@ class Simulator:
 
         def group_step(members: np.ndarray) -> GroupStep:
             ids = [int(clients[m]) for m in members]
-            gens = [dp.generator(self.seed, purpose, rnd, c) for c in ids]
+            gens = [dp.generator(self.seed, purpose, rnd, int(self.client_ids[c])) for c in ids]
             stds = [dp.sigma(c) * dp.clip for c in ids]
             expected = [_expected_batch(int(sizes[c]), cfg.batch_size) for c in ids]
 
@@ -492,6 +497,13 @@ class Simulator:
         loss = F.cross_entropy(self.layout.forward(w, x), y)
         grad = torch.autograd.grad(loss, w)[0] if with_grad else None
         return loss.detach(), grad
+
+    def gradient_trajectories(
+        self, clients: np.ndarray, row: torch.Tensor, normalise: bool = True
+    ) -> torch.Tensor:
+        """CFLGT's gradient trajectories [n, C, 2] under the model ``row``
+        (:func:`fedcluster.engine.trajectory.gradient_trajectories`)."""
+        return gradient_trajectories(self, clients, row, normalise)
 
     # --------------------------------------------------------------- evaluate
     @torch.no_grad()

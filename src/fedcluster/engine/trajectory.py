@@ -27,12 +27,16 @@ client with ``index_add_``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
 
-from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedcluster.engine.simulator import Simulator
 
 
 def classifier_layer(sim: Simulator) -> nn.Linear:

@@ -1,0 +1,93 @@
+"""What the Flower ServerApp and ClientApp say to each other (Flower's Message API).
+
+Every client computation of :class:`~fedcluster.engine.simulator.Simulator`
+that an algorithm calls is one message type; a request carries the tensors
+the client needs (``"arrays"``, an ``ArrayRecord``) and the settings
+(``"config"``, a ``ConfigRecord``), the reply carries the result tensors:
+
+- ``query.setup``: nothing -> the client's id, sample counts, group, data shape;
+- ``train``: ``start`` [d] -> ``row`` [d], ``loss``, ``steps`` (local SGD);
+- ``query.losses``: ``models`` [K, d] -> ``losses`` [K] and ``grads`` [K, d];
+- ``query.products``: ``models``, ``directions`` [K, d] -> ``losses``, ``sq``, ``dot`` [K];
+- ``query.trajectory``: ``start`` [d] -> ``trajectory`` [C, 2] (CFLGT);
+- ``evaluate``: ``model`` [d] -> ``correct``, ``count``, ``loss_sum``.
+
+Every request's config names the experiment (its YAML text and seed), so a
+node can build its data and model from it (and cache them), plus the round
+and the purpose that seed the client's random streams (DESIGN principle 4):
+a node computes exactly what the simulator computes for that client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedcluster.engine.batches import LocalTraining
+
+SETUP = "query.setup"
+TRAIN = "train"
+LOSSES = "query.losses"
+PRODUCTS = "query.products"
+TRAJECTORY = "query.trajectory"
+EVALUATE = "evaluate"
+
+_TRAINING_FIELDS = ("lr", "batch_size", "epochs", "momentum", "mu")
+
+
+def training_config(cfg: LocalTraining) -> dict[str, Any]:
+    """``cfg`` as ConfigRecord values (``steps`` absent when unset)."""
+    if cfg.dp is not None:
+        raise ValueError(
+            "the Flower backend does not run DP-SGD yet; drop the privacy section "
+            "or use the simulator"
+        )
+    values = {k: v for k, v in asdict(cfg).items() if k in _TRAINING_FIELDS}
+    if cfg.steps is not None:
+        values["steps"] = int(cfg.steps)
+    return values
+
+
+def training_from(config: ConfigRecord) -> LocalTraining:
+    """The :class:`LocalTraining` that :func:`training_config` encoded."""
+    steps = config.get("steps")
+    return LocalTraining(
+        lr=float(config["lr"]),
+        batch_size=int(config["batch_size"]),
+        epochs=int(config["epochs"]),
+        steps=None if steps is None else int(steps),
+        momentum=float(config["momentum"]),
+        mu=float(config["mu"]),
+    )
+
+
+def request(arrays: dict[str, torch.Tensor], config: dict[str, Any]) -> RecordDict:
+    """A request's content: tensors and settings."""
+    return RecordDict(
+        {
+            "arrays": ArrayRecord({k: v.detach().contiguous() for k, v in arrays.items()}),
+            "config": ConfigRecord(config),
+        }
+    )
+
+
+def reply(arrays: dict[str, torch.Tensor], config: dict[str, Any] | None = None) -> RecordDict:
+    """A reply's content: result tensors (and, for ``setup``, settings)."""
+    return request(arrays, config or {})
+
+
+def tensors(content: RecordDict) -> dict[str, torch.Tensor]:
+    """The tensors of a request or reply."""
+    record = content["arrays"]
+    assert isinstance(record, ArrayRecord)
+    return dict(record.to_torch_state_dict())
+
+
+def settings(content: RecordDict) -> ConfigRecord:
+    """The settings of a request or reply."""
+    record = content["config"]
+    assert isinstance(record, ConfigRecord)
+    return record

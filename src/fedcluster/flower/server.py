@@ -1,0 +1,126 @@
+"""The ServerApp: fedcluster's runner driving Flower nodes (DESIGN principle 1).
+
+:class:`FlowerExperiment` is the runner's :class:`~fedcluster.runner.Experiment`
+with one change: its backend is a :class:`~fedcluster.flower.backend.FlowerBackend`
+on the ServerApp's grid, and it learns each seed's federation from the nodes
+(``query.setup``). Everything else -- the algorithms, metrics, run directory,
+checkpoints -- is the simulator's, so a run through Flower writes the same
+``metrics.csv`` as the simulator (timing columns aside; tested).
+
+- :func:`run_simulation` runs an experiment on Flower's simulation engine, one
+  SuperNode per client (``fedcluster run --backend flower``);
+- ``server_app`` is the ServerApp for a deployment with ``flwr run``; it reads
+  the run config keys ``config`` (a YAML path), ``preset`` and ``out``.
+
+Not supported on this backend yet (a clear error, before any message is
+sent): local differential privacy, whose noise must then be drawn on the
+node, and data drift, which the simulator applies to data the server holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from torch import nn
+
+from fedcluster.config import ExperimentConfig, dump_config, resolve_config
+from fedcluster.errors import ConfigError
+from fedcluster.flower.backend import FederationInfo, FlowerBackend, discover
+from fedcluster.flower.client import client_app
+from fedcluster.runner import Experiment, JobResult
+
+
+def check_supported(config: ExperimentConfig) -> None:
+    """Raise :class:`ConfigError` for what the Flower backend cannot run yet."""
+    if config.privacy.mode != "none":
+        raise ConfigError(
+            "privacy: local differential privacy is not available on the Flower backend yet "
+            "(its noise must be drawn on the node); run it with the simulator"
+        )
+    if config.scenario.drift:
+        raise ConfigError(
+            "scenario.drift: data drift changes data the server holds in simulation; "
+            "it is not available on the Flower backend"
+        )
+
+
+class FlowerExperiment(Experiment):
+    """The runner's experiment with its client computations on Flower nodes."""
+
+    def __init__(self, config: ExperimentConfig, grid: Grid, timeout: float | None = None):
+        check_supported(config)
+        super().__init__(config)
+        self.grid = grid
+        self.timeout = timeout
+        self._text = dump_config(config)
+        self._nodes: dict[int, dict[int, int]] = {}
+
+    def federation(self, seed: int) -> FederationInfo:  # type: ignore[override]
+        info, self._nodes[seed] = discover(self.grid, self._text, seed, self.timeout)
+        return info
+
+    def backend(  # type: ignore[override]
+        self, model: nn.Module, federation: FederationInfo, seed: int
+    ) -> FlowerBackend:
+        return FlowerBackend(
+            self.grid, model, federation, self._nodes[seed], self._text, seed, self.timeout
+        )
+
+
+def make_server_app(
+    config: ExperimentConfig,
+    out: str | Path,
+    results: list[JobResult] | None = None,
+    progress: bool = True,
+) -> ServerApp:
+    """A ServerApp that runs ``config`` and writes the run directory ``out``
+    (the job results are appended to ``results`` when given)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        done = FlowerExperiment(config, grid).run(out, progress=progress)
+        if results is not None:
+            results.extend(done)
+
+    return app
+
+
+def run_simulation(
+    config: ExperimentConfig, out: str | Path, num_cpus: float = 1.0, progress: bool = True
+) -> list[JobResult]:
+    """Run ``config`` on Flower's simulation engine: one SuperNode per client,
+    ``num_cpus`` CPUs per ClientApp process, the run directory written to ``out``."""
+    from flwr.simulation import run_simulation as flower_run
+
+    check_supported(config)
+    n_clients = Experiment(config).federation(config.seeds[0]).n_clients
+    results: list[JobResult] = []
+    flower_run(
+        server_app=make_server_app(config, out, results, progress),
+        client_app=client_app,
+        num_supernodes=n_clients,
+        backend_config={
+            "client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
+            "init_args": {"include_dashboard": False},
+        },
+    )
+    if len(results) != len(config.seeds) * len(config.algorithms):
+        raise RuntimeError(
+            f"the Flower run ended after {len(results)} of "
+            f"{len(config.seeds) * len(config.algorithms)} jobs; see Flower's log above"
+        )
+    return results
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def _deployed(grid: Grid, context: Context) -> None:
+    """``flwr run`` entry point: the run config names the experiment and the output."""
+    run = context.run_config
+    config = resolve_config(config_path=run.get("config") or None, preset=run.get("preset") or None)
+    FlowerExperiment(config, grid).run(str(run.get("out", "runs/flower")), progress=False)

@@ -1,0 +1,120 @@
+"""The Flower backend runs the same algorithms as the simulator, with the same numbers.
+
+One run on Flower's simulation engine (Ray, one SuperNode per client; about
+half a minute to start) against the batched simulator on the same config.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcluster[flower]'`")
+
+from fedcluster.config import validate_config  # noqa: E402
+from fedcluster.errors import ConfigError  # noqa: E402
+from fedcluster.flower.backend import FlowerClientError, _receive  # noqa: E402
+from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
+from fedcluster.runner import Experiment  # noqa: E402
+
+CONFIG = {
+    "name": "flower-vs-simulator",
+    "seeds": [0],
+    "rounds": 3,
+    "data": {
+        "dataset": "mnist5k",
+        "partition": {
+            "name": "rotation",
+            "n_groups": 2,
+            "base": "iid",
+            "base_options": {"n_clients": 6, "test_fraction": 0.2},
+        },
+    },
+    "model": {"name": "mlp", "options": {"hidden": [32]}},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "participation": {"fraction": 0.5},
+    "algorithms": [
+        {"name": "fedavg"},
+        {"name": "fedavg-ft"},
+        {"name": "ifca", "params": {"n_clusters": 2}},
+        {"name": "jgl", "params": {"n_clusters": 2, "lam": 0.2}},
+        {"name": "cflgt", "params": {"pretrain_rounds": 1}},
+    ],
+}
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_flower_run_writes_the_simulators_metrics_and_clusters(tmp_path):
+    config = validate_config(CONFIG)
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    results = run_simulation(config, tmp_path / "flower", progress=False)
+    assert [(r.algorithm, r.seed) for r in results] == [
+        (a.display_name(), 0) for a in config.algorithms
+    ]
+    sim, flower = _rows(tmp_path / "sim/metrics.csv"), _rows(tmp_path / "flower/metrics.csv")
+    assert len(sim) == len(flower) == 3 * len(config.algorithms)
+    for a, b in zip(sim, flower, strict=True):
+        for column in a:
+            if not column.endswith("seconds"):
+                assert a[column] == b[column], (a["algorithm"], a["round"], column)
+    assert (tmp_path / "sim/clusters.csv").read_text() == (
+        tmp_path / "flower/clusters.csv"
+    ).read_text()
+    purity = [float(r["purity"]) for r in sim if r["algorithm"] == "ifca" and r["purity"]]
+    assert purity and max(purity) > 0.5  # the comparison is about real clustering
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"privacy": {"mode": "client"}}, "privacy"),
+        ({"scenario": {"drift": [{"kind": "rotate", "rounds": [2]}]}}, "drift"),
+    ],
+)
+def test_unsupported_settings_are_refused_before_anything_runs(change, field):
+    config = validate_config({**CONFIG, **change})
+    with pytest.raises(ConfigError, match=field):
+        check_supported(config)
+
+
+class _Grid:
+    """A grid whose nodes answer from ``answers`` (node id -> reply or None: silent)."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def send_and_receive(self, messages, timeout=None):
+        return [a for a in (self.answers[m.metadata.dst_node_id] for m in messages) if a]
+
+
+def _message(node):
+    return SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node))
+
+
+def _reply(node, error=None):
+    return SimpleNamespace(
+        metadata=SimpleNamespace(src_node_id=node),
+        has_error=lambda: error is not None,
+        error=SimpleNamespace(reason=error),
+    )
+
+
+def test_replies_come_back_in_request_order_and_failures_name_the_client():
+    grid = _Grid({7: _reply(7), 3: _reply(3)})
+    replies = _receive(grid, [_message(3), _message(7)], None, ["client 0", "client 1"])
+    assert [r.metadata.src_node_id for r in replies] == [3, 7]
+    grid = _Grid({7: _reply(7, "out of memory"), 3: _reply(3)})
+    with pytest.raises(FlowerClientError, match="client 1 failed: out of memory"):
+        _receive(grid, [_message(3), _message(7)], None, ["client 0", "client 1"])
+    grid = _Grid({7: None, 3: _reply(3)})
+    with pytest.raises(FlowerClientError, match="no reply .* from client 1"):
+        _receive(grid, [_message(3), _message(7)], 1.0, ["client 0", "client 1"])
+    with pytest.raises(ValueError, match="asked twice"):
+        _receive(grid, [_message(3), _message(3)], None, ["client 0", "client 0"])
