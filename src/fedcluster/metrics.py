@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from fedcluster.clustering.validity import ari, nmi, purity
-from fedcluster.engine.simulator import EvalResult
+from fedcluster.engine.results import EvalResult
 
 COLUMNS = [
     "round",

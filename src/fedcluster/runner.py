@@ -44,6 +44,7 @@ from fedcluster.data.drift import DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, load_dataset
+from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
@@ -239,13 +240,13 @@ class Experiment:
         dataset, partition = load_partitioned(self.config, seed)
         return build_federation(dataset, partition), DriftPool(dataset, partition)
 
-    def model(self, federation: Federation) -> nn.Module:
+    def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
             return self._model
         m = self.config.model
         return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
 
-    def backend(self, model: nn.Module, federation: Federation, seed: int) -> Simulator:
+    def backend(self, model: nn.Module, federation: Federation, seed: int) -> Backend:
         """What runs the client computations: the batched simulator (the Flower
         backend, :mod:`fedcluster.flower.server`, sends them to nodes instead)."""
         return Simulator(model, federation, seed=seed, group_size=self.config.group_size)

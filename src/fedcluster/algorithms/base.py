@@ -7,9 +7,9 @@ clients and what they compute (DESIGN principle 1):
 - an algorithm is *server logic*: who gets which model, clustering,
   aggregation -- the methods of :class:`Algorithm`;
 - what a client computes is a named client computation of the backend
-  (:class:`~fedcluster.engine.simulator.Simulator`: ``train``,
-  ``losses_and_grads``, ``evaluate``, ...), run for many clients at once in
-  simulation and for one client on a real Flower node;
+  (:class:`~fedcluster.engine.backend.Backend`: ``train``,
+  ``losses_and_grads``, ``evaluate``, ...), run for many clients at once by
+  the simulator and for one client per node on Flower;
 - every payload is counted in :class:`Comm` where it is sent, so
   ``bytes_up`` / ``bytes_down`` are exact and privacy can be reasoned about.
 
@@ -32,8 +32,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from fedcluster.engine.backend import Backend
 from fedcluster.engine.batches import LocalTraining
-from fedcluster.engine.simulator import EvalResult, Simulator
+from fedcluster.engine.results import EvalResult
 
 State = dict[str, Any]
 
@@ -129,7 +130,7 @@ class Context:
     as usual; it trains nothing and uploads nothing (:meth:`respond`).
     """
 
-    sim: Simulator
+    sim: Backend
     train: LocalTraining
     seed: int
     init_row: torch.Tensor

@@ -32,7 +32,7 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.engine.flat import weighted_average
-from fedcluster.engine.simulator import EvalResult
+from fedcluster.engine.results import EvalResult
 
 
 class FedAvgParams(AlgorithmParams):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,6 +40,7 @@ from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
+from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.privacy import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 
@@ -53,28 +53,6 @@ GroupStep = Callable[
 ]
 """One step of a client group on the MLP kernel: ``(params, step, batch indices [G, B],
 row weights [G, B], FedProx anchors) -> batch losses [G]`` (updates ``params`` in place)."""
-
-
-@dataclass
-class TrainResult:
-    """Rows after local training [n, d], mean batch loss [n], steps taken [n]."""
-
-    rows: torch.Tensor
-    loss: torch.Tensor
-    steps: torch.Tensor
-
-
-@dataclass
-class EvalResult:
-    """Per-client correct predictions, sample counts and summed loss."""
-
-    correct: np.ndarray
-    count: np.ndarray
-    loss_sum: np.ndarray
-
-    @property
-    def accuracy(self) -> np.ndarray:
-        return self.correct / np.maximum(self.count, 1)
 
 
 class Simulator(ClientClock):

@@ -31,7 +31,7 @@ from torch import nn
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.flat import ParamLayout
-from fedcluster.engine.simulator import EvalResult, TrainResult
+from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.flower import protocol
 
 

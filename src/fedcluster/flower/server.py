@@ -58,12 +58,14 @@ class FlowerExperiment(Experiment):
         self._nodes: dict[int, dict[int, int]] = {}
 
     def federation(self, seed: int) -> FederationInfo:  # type: ignore[override]
+        """The seed's federation as the nodes report it (they hold the data)."""
         info, self._nodes[seed] = discover(self.grid, self._text, seed, self.timeout)
         return info
 
     def backend(  # type: ignore[override]
         self, model: nn.Module, federation: FederationInfo, seed: int
     ) -> FlowerBackend:
+        """Client computations sent to the nodes found by :meth:`federation`."""
         return FlowerBackend(
             self.grid, model, federation, self._nodes[seed], self._text, seed, self.timeout
         )
