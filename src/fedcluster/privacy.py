@@ -62,15 +62,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from opacus.accountants import create_accountant
-from opacus.accountants.analysis import rdp as rdp_analysis
-from opacus.accountants.rdp import RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedcluster.rng import torch_rng
@@ -142,6 +139,23 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+@lru_cache(maxsize=1)
+def _opacus() -> SimpleNamespace:
+    """Opacus' accountant functions, imported on first use: the import takes
+    about 1.6 s, which runs without privacy (and every Flower message) skip."""
+    from opacus.accountants import create_accountant
+    from opacus.accountants.analysis import rdp
+    from opacus.accountants.rdp import RDPAccountant
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return SimpleNamespace(
+        create_accountant=create_accountant,
+        rdp=rdp,
+        alphas=RDPAccountant.DEFAULT_ALPHAS,
+        get_noise_multiplier=get_noise_multiplier,
+    )
+
+
 @lru_cache(maxsize=4096)
 def calibrate_noise(
     epsilon: float, delta: float, sample_rate: float, steps: int, accountant: Accountant = "rdp"
@@ -155,7 +169,7 @@ def calibrate_noise(
         return 0.0
     with _quiet():
         return float(
-            get_noise_multiplier(
+            _opacus().get_noise_multiplier(
                 target_epsilon=epsilon,
                 target_delta=delta,
                 sample_rate=sample_rate,
@@ -168,11 +182,8 @@ def calibrate_noise(
 @lru_cache(maxsize=4096)
 def _rdp_one_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     with _quiet():
-        rdp = rdp_analysis.compute_rdp(
-            q=sample_rate,
-            noise_multiplier=noise_multiplier,
-            steps=1,
-            orders=RDPAccountant.DEFAULT_ALPHAS,
+        rdp = _opacus().rdp.compute_rdp(
+            q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=_opacus().alphas
         )
     return np.asarray(rdp)
 
@@ -199,11 +210,9 @@ def epsilon_spent(
     with _quiet():
         if accountant == "rdp":
             rdp = _rdp_one_step(noise_multiplier, sample_rate) * int(steps)
-            eps, _ = rdp_analysis.get_privacy_spent(
-                orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta
-            )
+            eps, _ = _opacus().rdp.get_privacy_spent(orders=_opacus().alphas, rdp=rdp, delta=delta)
             return float(eps)
-        acc = create_accountant(mechanism=accountant)
+        acc = _opacus().create_accountant(mechanism=accountant)
         acc.history = [(noise_multiplier, sample_rate, int(steps))]
         return float(acc.get_epsilon(delta=delta))
 
