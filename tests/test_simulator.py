@@ -179,3 +179,29 @@ def test_weighted_average_by_sample_count():
     rows = torch.tensor([[1.0, 0.0], [3.0, 4.0]])
     avg = weighted_average(rows, torch.tensor([1, 3]))
     assert torch.allclose(avg, torch.tensor([2.5, 3.0]))
+
+
+def test_a_nodes_one_client_simulator_trains_that_client_as_the_full_one(mnist_federation):
+    """What a Flower node computes: its client alone, batches seeded by the global id.
+
+    Equal up to float rounding: the node's products have other shapes (its own
+    feature span, no padding from other group members), so sums run in another order.
+    """
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[32])
+    start = init_row(model, 0, "x")
+    cfg = LocalTraining(lr=0.1, batch_size=16)
+    full = Simulator(model, mnist_federation, seed=5).train(np.array([3, 7]), start, cfg, 2)
+    for i, client in enumerate((3, 7)):
+        own = mnist_federation.subset([client])
+        assert torch.equal(
+            own.x_train, mnist_federation.x_train[mnist_federation.client_slice(client)]
+        )
+        assert torch.equal(
+            own.y_test, mnist_federation.y_test[mnist_federation.client_slice(client, "test")]
+        )
+        node = Simulator(model, own, seed=5, client_ids=np.array([client]))
+        alone = node.train(np.array([0]), start, cfg, 2)
+        assert (alone.rows[0] - full.rows[i]).abs().max().item() <= 1e-6
+        assert torch.equal(alone.steps[0], full.steps[i])
+    with pytest.raises(ValueError, match="client_ids"):
+        Simulator(model, mnist_federation.subset([1, 2]), seed=5, client_ids=np.array([1]))

@@ -7,7 +7,8 @@ builds that client's data (the config's dataset and partition, as the
 simulator does) and model once per process, and answers each request with
 the same :class:`~fedcluster.engine.simulator.Simulator` computation the
 simulator runs for that client -- with the client's global id seeding its
-batches, so both backends compute the same numbers.
+batches, so both backends compute the same numbers (to float rounding:
+the node's products have other shapes than the simulator's batched ones).
 
 Deploy with ``flwr run`` by naming ``fedcluster.flower.client:client_app``
 as the ClientApp (docs/flower.md).
