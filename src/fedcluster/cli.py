@@ -107,6 +107,7 @@ def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:
         raise FedclusterError(
             f"--backend flower needs Flower: pip install 'fedcluster[flower]' ({exc})"
         ) from None
+    logging.getLogger("flwr").propagate = False  # Flower prints its own log; no copy at DEBUG
     run_simulation(config, out, progress=progress)
 
 
