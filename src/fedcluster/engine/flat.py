@@ -79,3 +79,12 @@ def weighted_average(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Average of ``rows`` [n, d] with non-negative ``weights`` [n] (e.g. sample counts)."""
     w = weights.to(rows.dtype)
     return (w / w.sum()) @ rows
+
+
+def broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``rows`` as [n, dim]: a single row [dim] is broadcast (no copy) to every client."""
+    if rows.dim() == 1:
+        rows = rows.unsqueeze(0).expand(n, -1)
+    if rows.shape != (n, dim):
+        raise ValueError(f"expected parameter rows of shape [{n}, {dim}], got {list(rows.shape)}")
+    return rows

@@ -38,7 +38,7 @@ from torch import nn
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.clock import ClientClock
-from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.trajectory import gradient_trajectories
@@ -124,7 +124,7 @@ class Simulator(ClientClock):
         ``start`` is [n, d] (or [d], broadcast). FedProx's anchor is the start row.
         """
         clients = np.asarray(clients, dtype=np.int64)
-        start = _broadcast_rows(start, len(clients), self.layout.dim)
+        start = broadcast_rows(start, len(clients), self.layout.dim)
         with self.timed():
             plans = self.plans(clients, cfg, rnd, purpose)
             if cfg.dp is not None:
@@ -533,14 +533,6 @@ def _nonzero_span(x: torch.Tensor) -> slice:
     if len(used) == 0:
         return slice(0, 0)
     return slice(int(used[0]), int(used[-1]) + 1)
-
-
-def _broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    if rows.dim() == 1:
-        rows = rows.unsqueeze(0).expand(n, -1)
-    if rows.shape != (n, dim):
-        raise ValueError(f"expected parameter rows of shape [{n}, {dim}], got {list(rows.shape)}")
-    return rows
 
 
 def _expected_batch(n_samples: int, batch_size: int) -> float:

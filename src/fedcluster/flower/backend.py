@@ -30,7 +30,7 @@ from torch import nn
 
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.clock import ClientClock
-from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.flower import protocol
 
@@ -162,13 +162,8 @@ class FlowerBackend(ClientClock):
     ) -> TrainResult:
         """Local SGD on each client's node from its start row (:meth:`Simulator.train`)."""
         clients = np.asarray(clients, dtype=np.int64)
-        rows = start.expand(len(clients), -1) if start.dim() == 1 else start
-        config = {
-            **protocol.training_config(cfg),
-            "round": rnd,
-            "purpose": purpose,
-            "classifier_only": classifier_only,
-        }
+        rows = broadcast_rows(start, len(clients), self.layout.dim)
+        config = {**protocol.training_config(cfg, rnd, purpose), "classifier_only": classifier_only}
         out = self._ask(protocol.TRAIN, clients, [{"start": r} for r in rows], config)
         return TrainResult(
             torch.stack([o["row"] for o in out]).reshape(len(clients), -1),
@@ -187,12 +182,7 @@ class FlowerBackend(ClientClock):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Loss [n, K] and gradient [n, K, d] of K models (:meth:`Simulator.losses_and_grads`)."""
         clients = np.asarray(clients, dtype=np.int64)
-        config = {
-            **protocol.training_config(cfg),
-            "round": rnd,
-            "purpose": purpose,
-            "with_grads": with_grads,
-        }
+        config = {**protocol.training_config(cfg, rnd, purpose), "with_grads": with_grads}
         out = self._ask(protocol.LOSSES, clients, [{"models": models}] * len(clients), config)
         losses = torch.stack([o["losses"] for o in out]).reshape(len(clients), -1)
         if not with_grads:
@@ -210,7 +200,7 @@ class FlowerBackend(ClientClock):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Loss, ‖∇L‖² and ⟨∇L, D⟩ [n, K] (:meth:`Simulator.losses_and_gradient_products`)."""
         clients = np.asarray(clients, dtype=np.int64)
-        config = {**protocol.training_config(cfg), "round": rnd, "purpose": purpose}
+        config = protocol.training_config(cfg, rnd, purpose)
         arrays = [{"models": models, "directions": directions}] * len(clients)
         out = self._ask(protocol.PRODUCTS, clients, arrays, config)
         return tuple(  # type: ignore[return-value]

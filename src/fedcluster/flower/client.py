@@ -82,9 +82,7 @@ def train(msg: Message, context: Context) -> Message:
     result = sim.train(
         np.array([0]),
         start.unsqueeze(0),
-        protocol.training_from(config),
-        int(config["round"]),
-        str(config["purpose"]),
+        *protocol.training_from(config),
         classifier_only=bool(config["classifier_only"]),
     )
     return _answer(
@@ -101,9 +99,7 @@ def losses(msg: Message, context: Context) -> Message:
     loss, grads = sim.losses_and_grads(
         np.array([0]),
         models,
-        protocol.training_from(config),
-        int(config["round"]),
-        str(config["purpose"]),
+        *protocol.training_from(config),
         with_grads=with_grads,
     )
     out = {"losses": loss[0]}
@@ -121,9 +117,7 @@ def products(msg: Message, context: Context) -> Message:
         np.array([0]),
         arrays["models"],
         arrays["directions"],
-        protocol.training_from(config),
-        int(config["round"]),
-        str(config["purpose"]),
+        *protocol.training_from(config),
     )
     return _answer(msg, protocol.reply({"losses": loss[0], "sq": sq[0], "dot": dot[0]}))
 

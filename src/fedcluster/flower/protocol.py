@@ -38,8 +38,9 @@ EVALUATE = "evaluate"
 _TRAINING_FIELDS = ("lr", "batch_size", "epochs", "momentum", "mu")
 
 
-def training_config(cfg: LocalTraining) -> dict[str, Any]:
-    """``cfg`` as ConfigRecord values (``steps`` absent when unset)."""
+def training_config(cfg: LocalTraining, rnd: int, purpose: str) -> dict[str, Any]:
+    """How to train (``cfg``, ``steps`` absent when unset) and which random
+    stream to draw batches from (round, purpose), as ConfigRecord values."""
     if cfg.dp is not None:
         raise ValueError(
             "the Flower backend does not run DP-SGD yet; drop the privacy section "
@@ -48,13 +49,13 @@ def training_config(cfg: LocalTraining) -> dict[str, Any]:
     values = {k: v for k, v in asdict(cfg).items() if k in _TRAINING_FIELDS}
     if cfg.steps is not None:
         values["steps"] = int(cfg.steps)
-    return values
+    return {**values, "round": rnd, "purpose": purpose}
 
 
-def training_from(config: ConfigRecord) -> LocalTraining:
-    """The :class:`LocalTraining` that :func:`training_config` encoded."""
+def training_from(config: ConfigRecord) -> tuple[LocalTraining, int, str]:
+    """The ``(cfg, round, purpose)`` that :func:`training_config` encoded."""
     steps = config.get("steps")
-    return LocalTraining(
+    cfg = LocalTraining(
         lr=float(config["lr"]),
         batch_size=int(config["batch_size"]),
         epochs=int(config["epochs"]),
@@ -62,6 +63,7 @@ def training_from(config: ConfigRecord) -> LocalTraining:
         momentum=float(config["momentum"]),
         mu=float(config["mu"]),
     )
+    return cfg, int(config["round"]), str(config["purpose"])
 
 
 def request(arrays: dict[str, torch.Tensor], config: dict[str, Any]) -> RecordDict:
