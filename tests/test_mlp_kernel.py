@@ -31,8 +31,14 @@ def test_deferral_follows_the_cost_rule():
     assert _kernel(784, 512, 10)[0].deferral(8) == 1 + int(0.8 / (8 * (1 / 784 + 1 / 512)))
 
 
+def _gathered(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs x [G, S, B, f] as packed samples [G·S·B, f] and their indices [G, S, B]."""
+    return x.reshape(-1, x.shape[-1]), torch.arange(x[..., 0].numel()).view(x.shape[:-1])
+
+
 @pytest.mark.parametrize("widths", [(20, 16, 8, 3), (20, 30)])
-def test_deferred_steps_equal_step_by_step_sgd(widths):
+@pytest.mark.parametrize("with_grams", [False, True])
+def test_deferred_steps_equal_step_by_step_sgd(widths, with_grams):
     kernel, row = _kernel(*widths)
     g, steps, batch = 3, 7, 4
     gen = torch.Generator().manual_seed(1)
@@ -43,6 +49,8 @@ def test_deferred_steps_equal_step_by_step_sgd(widths):
     weight[0, -1, 2:] = 0.0  # a short last batch
     weight[2, 4:] = 0.0  # a member that finished after 4 steps
     weight[2, 3, :] = 1.0 / batch
+    weight[:, 5, 1:] = 0.0  # every member's batch is short: the step takes one row
+    weight[:, 5, 0] = 1.0
 
     params = kernel.unpack(rows)
     stepwise = torch.zeros(g)
@@ -51,9 +59,12 @@ def test_deferred_steps_equal_step_by_step_sgd(widths):
     expected = torch.empty_like(rows)
     kernel.pack(params, expected)
 
+    samples, idx = _gathered(x)
+    gram = samples @ samples.T  # the Gram matrices of all samples, gathered per chunk
+    grams = (lambda chosen: torch.stack([gram[c][:, c] for c in chosen])) if with_grams else None
     assert 1 < kernel.deferral(batch) < steps  # several chunks of several steps
     deferred = rows.clone()
-    total = kernel.sgd_deferred(deferred, lambda a, b: x[:, a:b], y, weight, 0.3)
+    total = kernel.sgd_deferred(deferred, samples, idx, y, weight, 0.3, grams=grams)
     assert (deferred - expected).abs().max().item() <= 1e-6
     assert torch.allclose(total, stepwise, atol=1e-6)
     assert not torch.equal(deferred, rows)
@@ -68,11 +79,12 @@ def test_skipping_features_that_are_zero_everywhere_is_exact():
     x[..., 17:] = 0.0
     y = torch.randint(0, 3, (2, 6, 4), generator=gen)
     weight = torch.full((2, 6, 4), 0.25)
+    samples, idx = _gathered(x)
 
     full = rows.clone()
-    kernel.sgd_deferred(full, lambda a, b: x[:, a:b], y, weight, 0.3)
+    kernel.sgd_deferred(full, samples, idx, y, weight, 0.3)
     part = rows.clone()
-    kernel.sgd_deferred(part, lambda a, b: x[:, a:b, :, 5:17], y, weight, 0.3, slice(5, 17))
+    kernel.sgd_deferred(part, samples[:, 5:17], idx, y, weight, 0.3, slice(5, 17))
     assert (full - part).abs().max().item() <= 1e-6
     first = kernel.layers[0]
     w_before = rows[:, first.weight].view(2, 16, 20)

@@ -126,6 +126,7 @@ def test_drift_kinds_change_one_clients_data_in_place(rotated):
     assert torch.equal(fed.x_train[rows0], torch.rot90(before, 2, dims=(-2, -1)))
     assert torch.equal(fed.x_train[fed.client_slice(1)], other)
     assert torch.equal(rotated.x_train[rows0], before)  # the clone is independent
+    assert fed.revisions.tolist()[:2] == [2, 0]  # the simulator's caches follow revisions
 
     y = fed.y_train[rows0].clone()
     detail = apply_drift(fed, DriftEvent(round=1, client=0, kind="swap_labels", seed=0))

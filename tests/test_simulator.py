@@ -205,3 +205,42 @@ def test_a_nodes_one_client_simulator_trains_that_client_as_the_full_one(mnist_f
         assert torch.equal(alone.steps[0], full.steps[i])
     with pytest.raises(ValueError, match="client_ids"):
         Simulator(model, mnist_federation.subset([1, 2]), seed=5, client_ids=np.array([1]))
+
+
+def test_equal_clients_train_in_place_with_cached_gram_matrices(shared_dataset):
+    """The JGL benchmark's shape: equal clients (groups are ranges of output rows) small
+    enough that their Gram matrices are cached; still the plain loop's result."""
+    ds = shared_dataset("mnist")
+    train = [
+        (ds.train.x[i * 64 : (i + 1) * 64], ds.train.y[i * 64 : (i + 1) * 64]) for i in range(6)
+    ]
+    fed = Federation.from_clients(train, [(x[:8], y[:8]) for x, y in train], 10)
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[64, 32])
+    cfg = LocalTraining(lr=0.1, batch_size=24, epochs=2)
+    sim = Simulator(model, fed, seed=4, group_size=3)
+    deferral = sim.kernel.deferral(cfg.batch_size)
+    assert deferral > 1 and sim._grams.suits(deferral * cfg.batch_size)
+    start = torch.stack([init_row(model, 0, "test", i) for i in range(6)])
+    fast = sim.train(np.arange(6), start, cfg, rnd=1).rows
+    plain = reference_train(model, fed, np.arange(6), start, cfg, seed=4, rnd=1)
+    assert (fast - plain).abs().max().item() <= 1e-5
+    again = sim.train(np.arange(6), start, cfg, rnd=1).rows  # from the filled cache
+    assert torch.equal(fast, again)
+
+
+def test_kernel_follows_in_place_changes_of_the_training_data(mnist_federation):
+    """Drift changes samples in place: pixels that were black everywhere may light up,
+    and the client's Gram matrix must be recomputed."""
+    fed = mnist_federation.clone()
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[64, 32])
+    cfg = LocalTraining(lr=0.1, batch_size=16)
+    clients = np.arange(fed.n_clients)
+    sim = Simulator(model, fed, seed=2)
+    start = init_row(model, 0, "x")
+    sim.train(clients, start, cfg, 1)
+    assert not fed.x_train[:, 0, 0, :3].any()  # MNIST's top-left corner is black
+    fed.x_train[fed.client_slice(0)][:, 0, 0, :3] = 1.0
+    fed.data_changed(0)
+    fast = sim.train(clients, start, cfg, 2).rows
+    plain = reference_train(model, fed, clients, start, cfg, seed=2, rnd=2)
+    assert (fast - plain).abs().max().item() <= 1e-5

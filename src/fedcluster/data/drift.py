@@ -98,6 +98,7 @@ def rotate_client(federation: Federation, client: int, degrees: float) -> None:
         x[rows] = rotate_images(x[rows], degrees)
     if federation.rotations is not None:
         federation.rotations[client] = (federation.rotations[client] + degrees) % 360.0
+    federation.data_changed(client)
 
 
 def swap_client_labels(federation: Federation, client: int, a: int, b: int) -> None:
@@ -110,6 +111,7 @@ def swap_client_labels(federation: Federation, client: int, a: int, b: int) -> N
         part = y[federation.client_slice(client, split)]
         is_a, is_b = part == a, part == b
         part[is_a], part[is_b] = b, a
+    federation.data_changed(client)
 
 
 def _two_labels(federation: Federation, client: int, rng: np.random.Generator) -> tuple[int, int]:
@@ -166,4 +168,5 @@ def redraw_client(
             labels = torch.as_tensor(part.label_maps[client])[labels]
         rows = federation.client_slice(client, split)
         x[rows], y[rows] = images, labels
+    federation.data_changed(client)
     return np.bincount(y_pool[train_idx], minlength=n_classes)

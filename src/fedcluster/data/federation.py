@@ -8,7 +8,7 @@ the training loop never touches Python objects per sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +35,9 @@ class Federation:
     groups: np.ndarray | None = None
     rotations: np.ndarray | None = None
     """Degrees (counter-clockwise) by which each client's images are rotated, where known."""
+    revisions: np.ndarray = field(init=False, repr=False, compare=False)
+    """Per client, how often its data was changed in place (:meth:`data_changed`);
+    caches derived from the data (the simulator's) compare it to stay current."""
 
     def __post_init__(self) -> None:
         for split, x, y, off in (
@@ -51,6 +54,11 @@ class Federation:
             value = getattr(self, name)
             if value is not None and len(value) != self.n_clients:
                 raise ValueError(f"federation: {name} must have one entry per client")
+        self.revisions = np.zeros(self.n_clients, dtype=np.int64)
+
+    def data_changed(self, client: int) -> None:
+        """Record that client ``client``'s samples or labels were changed in place (drift)."""
+        self.revisions[client] += 1
 
     @property
     def n_clients(self) -> int:

@@ -229,20 +229,24 @@ class MLPKernel:
     def sgd_deferred(
         self,
         rows: torch.Tensor,
-        inputs: Callable[[int, int], torch.Tensor],
+        samples: torch.Tensor,
+        idx: torch.Tensor,
         y: torch.Tensor,
         weight: torch.Tensor,
         lr: float,
         features: slice | None = None,
+        grams: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Plain SGD through all steps of a group, in place on ``rows`` [G, d];
         returns each member's summed batch losses [G].
 
-        ``y`` and ``weight`` are [G, S, B] (weight as in :meth:`loss_and_dlogits`);
-        ``inputs(s0, s1)`` gives the inputs of steps s0..s1−1 as [G, s1 − s0, B, f],
-        restricted to the input ``features`` (default all): the caller may leave
-        out features that are zero in every training sample, since they add
-        nothing to a pre-activation and their weights get zero gradient.
+        Step s of member g uses the samples ``samples[idx[g, s]]`` with labels
+        ``y[g, s]`` and row weights ``weight[g, s]`` (as in
+        :meth:`loss_and_dlogits`), all [G, S, B], real rows first and padding
+        (weight 0) after. ``samples`` [N, f] may leave out input features that
+        are zero in every training sample (``features`` names the ones kept):
+        they add nothing to a pre-activation and their weights get zero gradient.
+
         Inside a chunk of steps starting at c, SGD makes the first layer's
         weights (``nn.Linear`` layout, [out, in]) W_s = W_c − η Σ_{c≤t<s} δ_tᵀ X_t
         (X_t the step's inputs, δ_t its pre-activation gradients), so the
@@ -250,42 +254,54 @@ class MLPKernel:
 
             X_s W_sᵀ = X_s W_cᵀ − η Σ_{c≤t<s} (X_s X_tᵀ) δ_t.
 
-        The chunk's X W_cᵀ is one product with T·B rows instead of T products
-        with B rows, the corrections are B × B Gram matrices, and the update
-        W_c − η Δᵀ X is applied once per chunk: two passes over the (largest)
-        first-layer weights per chunk instead of two per step, and no
-        transposed copy of them (they stay in ``rows``). The upper layers take
-        ordinary steps (:meth:`sgd_step`). This is exactly SGD; only the order
-        of floating-point additions differs (tested against the per-client loop).
+        The chunk's X W_cᵀ is one product with all its rows instead of one
+        product per step, the corrections use the chunk's Gram matrix X Xᵀ
+        (``grams(sample indices [G, R])`` gives it, e.g. gathered from per-client
+        Gram matrices computed once; without ``grams`` its blocks are computed
+        here), and the update W_c − η Δᵀ X is applied once per chunk: two passes
+        over the (largest) first-layer weights per chunk instead of two per step,
+        and no transposed copy of them (they stay in ``rows``). A step takes as
+        many rows as its largest batch in the group, so a short last batch costs
+        no padding. The upper layers take ordinary steps (:meth:`sgd_step`).
+        This is exactly SGD; only the order of floating-point additions differs
+        (tested against the per-client loop).
         """
-        g, n_steps, batch = weight.shape
+        g, n_steps, _ = weight.shape
         first = self.layers[0]
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
         total = torch.zeros(g, dtype=rows.dtype)
-        chunk = self.deferral(batch)
+        widths = (weight > 0).sum(dim=2).amax(dim=0).tolist()
+        chunk = self.deferral(weight.shape[2])
         for c in range(0, n_steps, chunk):
-            stop = min(n_steps, c + chunk)
-            x = inputs(c, stop).reshape(g, (stop - c) * batch, -1)
+            steps = range(c, min(n_steps, c + chunk))
+            chosen = torch.cat([idx[:, s, : widths[s]] for s in steps], dim=1)
+            x = samples[chosen]
+            gram = grams(chosen) if grams is not None else None
             pre = torch.bmm(x, w1.transpose(1, 2))
             deltas = torch.empty_like(pre)
-            for s in range(c, stop):
-                lo, hi = (s - c) * batch, (s - c + 1) * batch
+            lo = 0
+            for s in steps:
+                hi = lo + widths[s]
                 z = pre[:, lo:hi].add_(b1.unsqueeze(1))
                 if lo:
-                    gram = torch.bmm(x[:, lo:hi], x[:, :lo].transpose(1, 2))
-                    z.baddbmm_(gram, deltas[:, :lo], alpha=-lr)
-                if upper:
-                    loss, d = self.sgd_step(
-                        upper, torch.relu(z), y[:, s], weight[:, s], lr, input_gradient=True
+                    block = (
+                        gram[:, lo:hi, :lo]
+                        if gram is not None
+                        else torch.bmm(x[:, lo:hi], x[:, :lo].transpose(1, 2))
                     )
+                    z.baddbmm_(block, deltas[:, :lo], alpha=-lr)
+                ys, ws = y[:, s, : widths[s]], weight[:, s, : widths[s]]
+                if upper:
+                    loss, d = self.sgd_step(upper, torch.relu(z), ys, ws, lr, input_gradient=True)
                     assert d is not None
                 else:
-                    loss, d = self.loss_and_dlogits(z, y[:, s], weight[:, s])
+                    loss, d = self.loss_and_dlogits(z, ys, ws)
                 deltas[:, lo:hi] = d
                 b1.sub_(d.sum(dim=1), alpha=lr)
                 total += loss
+                lo = hi
             w1.baddbmm_(deltas.transpose(1, 2), x, alpha=-lr)
         self.pack(upper, rows, from_layer=1)
         return total

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
+from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.trajectory import gradient_trajectories
@@ -91,7 +93,23 @@ class Simulator(ClientClock):
         self.threads = threads
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
+        self._revisions = federation.revisions.copy()
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
+        self._grams = GramCache(self._x_flat[:, self._features], federation.train_offsets)
+
+    def _follow_data_changes(self) -> None:
+        """Bring what the kernel derives from the training inputs (the used input
+        features, the Gram matrices) up to date after in-place changes (drift)."""
+        changed = np.flatnonzero(self.federation.revisions != self._revisions)
+        if len(changed) == 0 or self.kernel is None:
+            return
+        self._revisions = self.federation.revisions.copy()
+        features = _nonzero_span(self._x_flat)
+        if features == self._features:
+            self._grams.invalidate(changed)
+        else:
+            self._features = features
+            self._grams = GramCache(self._x_flat[:, features], self.federation.train_offsets)
 
     def plans(
         self, clients: np.ndarray, cfg: LocalTraining, rnd: int, purpose: str
@@ -126,13 +144,14 @@ class Simulator(ClientClock):
         clients = np.asarray(clients, dtype=np.int64)
         start = broadcast_rows(start, len(clients), self.layout.dim)
         with self.timed():
+            self._follow_data_changes()
             plans = self.plans(clients, cfg, rnd, purpose)
             if cfg.dp is not None:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
                 cfg.dp.trained(clients, result.steps)
                 return result
             if self.kernel is not None:
-                return self._train_kernel(plans, start, cfg, classifier_only)
+                return self._train_kernel(plans, clients, start, cfg, classifier_only)
             return self._train_autograd(plans, start, cfg, classifier_only)
 
     def _train_autograd(
@@ -293,11 +312,12 @@ class Simulator(ClientClock):
 
             return step
 
-        return self._train_kernel(plans, start, cfg, classifier_only, group_step)
+        return self._train_kernel(plans, clients, start, cfg, classifier_only, group_step)
 
     def _train_kernel(
         self,
         plans: list[list[torch.Tensor]],
+        clients: np.ndarray,
         start: torch.Tensor,
         cfg: LocalTraining,
         classifier_only: bool,
@@ -346,19 +366,28 @@ class Simulator(ClientClock):
             return step
 
         plain_sgd = group_steps is None and cfg.momentum == 0.0 and cfg.mu == 0.0 and first == 0
+        deferral = kernel.deferral(cfg.batch_size)
+        grams = self._grams if self._grams.suits(deferral * cfg.batch_size) else None
 
         def run_group(members: np.ndarray) -> None:
             idx, weight = _stack_plans([plans[m] for m in members])
             rows = torch.as_tensor(members)
-            block = start.index_select(0, rows)
-            if plain_sgd and kernel.deferral(idx.shape[2]) > 1:
+            span = _as_range(members)
+            if span is None:  # train a copy of the rows, then write it back
+                block = start.index_select(0, rows)
+            else:  # train in place in the output
+                block = out[span]
+                block.copy_(start[span])
+            if plain_sgd and deferral > 1:
                 total = kernel.sgd_deferred(
                     block,
-                    lambda s0, s1: self._x_flat[:, self._features][idx[:, s0:s1]],
+                    self._grams.samples,
+                    idx,
                     self.federation.y_train[idx],
                     weight,
                     cfg.lr,
                     self._features,
+                    None if grams is None else partial(grams.gather, clients[members]),
                 )
             else:
                 step = (group_steps or plain_steps)(members)
@@ -368,7 +397,8 @@ class Simulator(ClientClock):
                 for s in range(idx.shape[1]):
                     total += step(params, s, idx[:, s], weight[:, s], anchors)
                 kernel.pack(params, block)
-            out.index_copy_(0, rows, block)
+            if span is None:
+                out.index_copy_(0, rows, block)
             m_steps = steps[members]
             losses[members] = torch.where(
                 m_steps > 0, total / m_steps.clamp(min=1), losses[members]
@@ -533,6 +563,14 @@ def _nonzero_span(x: torch.Tensor) -> slice:
     if len(used) == 0:
         return slice(0, 0)
     return slice(int(used[0]), int(used[-1]) + 1)
+
+
+def _as_range(members: np.ndarray) -> slice | None:
+    """``members`` as a slice if they are consecutive ascending integers, else ``None``."""
+    first = int(members[0])
+    if np.array_equal(members, np.arange(first, first + len(members))):
+        return slice(first, first + len(members))
+    return None
 
 
 def _expected_batch(n_samples: int, batch_size: int) -> float:

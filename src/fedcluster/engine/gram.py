@@ -1,0 +1,72 @@
+"""Per-client Gram matrices of the training inputs, for the deferred first-layer update.
+
+:meth:`MLPKernel.sgd_deferred <fedcluster.engine.mlp_kernel.MLPKernel.sgd_deferred>`
+corrects a chunk's pre-activations with inner products X_s X_tᵀ of the
+chunk's samples. A client's samples do not change between rounds (only their
+order does), so the inner products of all pairs of its samples, X_c X_cᵀ, are
+computed once and each round's chunk Gram matrix is a gather from it.
+
+That pays when a client's data is not much larger than a chunk: X_c X_cᵀ costs
+n² products of input rows, a round's chunk Grams about n·B·(T − 1)/2. The
+cache is used for a whole federation or not at all (:meth:`GramCache.suits`),
+so the same config gives the same arithmetic whatever the participation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+DEFAULT_BUDGET = 256 * 2**20
+"""Bytes the cached Gram matrices of a federation may take (float32)."""
+
+MAX_CHUNKS = 4
+"""Clients with more than this many chunks of samples compute their Gram blocks per round."""
+
+
+class GramCache:
+    """X_c X_cᵀ (float32, [n_c, n_c]) of each client c, computed on first use.
+
+    ``samples`` [N, f] are the packed training inputs, client c owning rows
+    ``offsets[c]:offsets[c + 1]``. :meth:`invalidate` drops the matrices of
+    clients whose data changed (drift).
+    """
+
+    def __init__(
+        self, samples: torch.Tensor, offsets: np.ndarray, budget: int = DEFAULT_BUDGET
+    ) -> None:
+        self.samples = samples
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.budget = budget
+        self._grams: dict[int, torch.Tensor] = {}
+
+    def suits(self, chunk_rows: int) -> bool:
+        """Whether to use the cache with chunks of ``chunk_rows`` samples: every client
+        holds at most :data:`MAX_CHUNKS` chunks and all matrices fit in the budget."""
+        sizes = np.diff(self.offsets)
+        if len(sizes) == 0 or sizes.max() > MAX_CHUNKS * chunk_rows:
+            return False
+        return int((sizes.astype(np.int64) ** 2).sum()) * 4 <= self.budget
+
+    def invalidate(self, clients: np.ndarray) -> None:
+        for c in np.asarray(clients).tolist():
+            self._grams.pop(int(c), None)
+
+    def client(self, c: int) -> torch.Tensor:
+        """X_c X_cᵀ of client ``c``."""
+        gram = self._grams.get(c)
+        if gram is None:
+            x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])]
+            gram = self._grams[c] = torch.mm(x, x.t())
+        return gram
+
+    def gather(self, clients: np.ndarray, chosen: torch.Tensor) -> torch.Tensor:
+        """Gram matrices [G, R, R] of the samples ``chosen`` [G, R] (global row indices)
+        of member g, a client of ``clients`` [G]. Indices outside the member's own
+        rows (padding) read its first sample: they meet only zero gradients."""
+        out = torch.empty(chosen.shape[0], chosen.shape[1], chosen.shape[1])
+        for g, c in enumerate(np.asarray(clients).tolist()):
+            gram = self.client(c)
+            local = (chosen[g] - int(self.offsets[c])).clamp_(0, len(gram) - 1)
+            torch.index_select(gram.index_select(0, local), 1, local, out=out[g])
+        return out

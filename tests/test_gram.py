@@ -1,0 +1,40 @@
+"""Per-client Gram matrices for the deferred first-layer update (engine.gram)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedcluster.engine.gram import MAX_CHUNKS, GramCache
+
+
+def test_gathered_chunk_grams_are_the_inner_products_of_the_chosen_samples():
+    gen = torch.Generator().manual_seed(0)
+    samples = torch.randn(9, 5, generator=gen)
+    cache = GramCache(samples, np.array([0, 4, 9]))
+    chosen = torch.tensor([[3, 0, 2], [8, 4, 6]])
+    grams = cache.gather(np.array([0, 1]), chosen)
+    for g in range(2):
+        x = samples[chosen[g]]
+        assert torch.allclose(grams[g], x @ x.T, atol=1e-6)
+    padded = cache.gather(np.array([1]), torch.tensor([[5, 0]]))  # 0 is not client 1's row
+    assert torch.allclose(padded[0, 0, 0], samples[5] @ samples[5])
+
+
+def test_invalidated_clients_are_recomputed_from_the_current_data():
+    samples = torch.ones(4, 3)
+    cache = GramCache(samples, np.array([0, 2, 4]))
+    assert cache.client(1)[0, 0].item() == 3.0
+    samples[2:] = 2.0
+    assert cache.client(1)[0, 0].item() == 3.0  # cached
+    cache.invalidate(np.array([1]))
+    assert cache.client(1)[0, 0].item() == 12.0
+
+
+def test_the_cache_suits_small_clients_within_the_memory_budget():
+    offsets = np.array([0, 100, 300])
+    assert GramCache(torch.zeros(300, 2), offsets).suits(chunk_rows=64)
+    assert not GramCache(torch.zeros(300, 2), offsets).suits(chunk_rows=200 // MAX_CHUNKS - 1)
+    budget = (100**2 + 200**2) * 4
+    assert GramCache(torch.zeros(300, 2), offsets, budget=budget).suits(64)
+    assert not GramCache(torch.zeros(300, 2), offsets, budget=budget - 1).suits(64)
