@@ -92,3 +92,18 @@ def test_skipping_features_that_are_zero_everywhere_is_exact():
     assert torch.equal(w_after[:, :, :5], w_before[:, :, :5])
     assert torch.equal(w_after[:, :, 17:], w_before[:, :, 17:])
     assert not torch.equal(w_after[:, :, 5:17], w_before[:, :, 5:17])
+
+
+def test_a_shared_start_takes_one_product_for_the_group_and_the_same_steps():
+    kernel, row = _kernel(20, 16, 8, 3)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 4, 20, generator=gen)
+    y = torch.randint(0, 3, (3, 5, 4), generator=gen)
+    weight = torch.full((3, 5, 4), 0.25)
+    samples, idx = _gathered(x)
+    rows = row.expand(3, -1)
+    separate, shared = rows.clone(), rows.clone()
+    kernel.sgd_deferred(separate, samples, idx, y, weight, 0.3)
+    kernel.sgd_deferred(shared, samples, idx, y, weight, 0.3, same_start=True)
+    assert (separate - shared).abs().max().item() <= 1e-6
+    assert not torch.equal(shared[0], shared[1])  # the members' own steps

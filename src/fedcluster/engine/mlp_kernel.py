@@ -111,7 +111,7 @@ class MLPKernel:
         h = x
         last = len(params) - 1
         for i, (w, b) in enumerate(params):
-            z = torch.baddbmm(b.unsqueeze(1), h, w)
+            z = torch.bmm(h, w).add_(b.unsqueeze(1))
             if i == last:
                 return acts, z
             h = torch.relu(z)
@@ -236,6 +236,7 @@ class MLPKernel:
         lr: float,
         features: slice | None = None,
         grams: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        same_start: bool = False,
     ) -> torch.Tensor:
         """Plain SGD through all steps of a group, in place on ``rows`` [G, d];
         returns each member's summed batch losses [G].
@@ -262,7 +263,10 @@ class MLPKernel:
         over the (largest) first-layer weights per chunk instead of two per step,
         and no transposed copy of them (they stay in ``rows``). A step takes as
         many rows as its largest batch in the group, so a short last batch costs
-        no padding. The upper layers take ordinary steps (:meth:`sgd_step`).
+        no padding. When every member starts from the same parameters
+        (``same_start``, e.g. FedAvg's global model), the first chunk's product
+        is a single matrix product with G·R rows. The upper layers take ordinary
+        steps (:meth:`sgd_step`).
         This is exactly SGD; only the order of floating-point additions differs
         (tested against the per-client loop).
         """
@@ -277,9 +281,12 @@ class MLPKernel:
         for c in range(0, n_steps, chunk):
             steps = range(c, min(n_steps, c + chunk))
             chosen = torch.cat([idx[:, s, : widths[s]] for s in steps], dim=1)
-            x = samples[chosen]
+            x = samples.index_select(0, chosen.view(-1)).view(g, chosen.shape[1], -1)
             gram = grams(chosen) if grams is not None else None
-            pre = torch.bmm(x, w1.transpose(1, 2))
+            if c == 0 and same_start:  # one product for the whole group
+                pre = torch.mm(x.view(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
+            else:
+                pre = torch.bmm(x, w1.transpose(1, 2))
             deltas = torch.empty_like(pre)
             lo = 0
             for s in steps:

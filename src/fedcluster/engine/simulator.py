@@ -388,6 +388,7 @@ class Simulator(ClientClock):
                     cfg.lr,
                     self._features,
                     None if grams is None else partial(grams.gather, clients[members]),
+                    same_start=start.stride(0) == 0,
                 )
             else:
                 step = (group_steps or plain_steps)(members)
