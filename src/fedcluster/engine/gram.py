@@ -53,11 +53,17 @@ class GramCache:
             self._grams.pop(int(c), None)
 
     def client(self, c: int) -> torch.Tensor:
-        """X_c X_cᵀ of client ``c``."""
+        """X_c X_cᵀ of client ``c``, accumulated in float64 and rounded once.
+
+        The result then does not depend on how the product is split across
+        threads (a client's matrix is computed in whichever round first
+        trains it, so a resumed run may compute it under other threading);
+        for 8-bit image data the float64 sums are exact.
+        """
         gram = self._grams.get(c)
         if gram is None:
-            x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])]
-            gram = self._grams[c] = torch.mm(x, x.t())
+            x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])].double()
+            gram = self._grams[c] = torch.mm(x, x.t()).to(self.samples.dtype)
         return gram
 
     def gather(self, clients: np.ndarray, chosen: torch.Tensor) -> torch.Tensor:
