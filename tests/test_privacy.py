@@ -27,6 +27,7 @@ from fedcluster.privacy import (
     epsilon_spent,
     max_participations,
     per_sample_gradients,
+    release_uploads,
 )
 from fedcluster.runner import Experiment
 from tests.helpers import make_context, rotated_digits
@@ -62,6 +63,16 @@ def client_dp(n: int, sigma: float, clip: float, budget: int = 100, seed: int = 
         sample_rate=np.ones(n),
         budget=np.full(n, budget),
     )
+
+
+def upload(
+    dp: LocalDP, clients: np.ndarray, start: torch.Tensor, trained: torch.Tensor, rnd: int
+) -> torch.Tensor:
+    """What the clients release (where they are) and the ledger passes on."""
+    tickets = [dp.ticket(int(c)) for c in clients]
+    steps = torch.ones(len(clients), dtype=torch.int64)
+    released = release_uploads(tickets, clients, start, trained, steps, dp.seed, rnd)
+    return dp(clients, start, released, rnd)
 
 
 # --------------------------------------------------------------- calibration
@@ -103,7 +114,7 @@ def test_client_level_noise_has_std_sigma_times_clip():
     n, d, sigma, clip = 8, 20_000, 1.7, 0.5
     dp = client_dp(n, sigma, clip)
     start = torch.randn(n, d)
-    noise = dp(np.arange(n), start, start.clone(), rnd=1) - start  # zero update: pure noise
+    noise = upload(dp, np.arange(n), start, start.clone(), rnd=1) - start  # zero update: pure noise
     assert noise.std().item() == pytest.approx(sigma * clip, rel=0.05)
     assert abs(noise.mean().item()) < 0.01 * sigma * clip
 
@@ -130,6 +141,7 @@ def test_uploaded_updates_are_clipped_to_c(federation):
     ctx = make_context(federation, hidden=[16], train=LocalTraining(lr=0.5, batch_size=8))
     clip = 0.2
     dp = client_dp(ctx.n_clients, 0.0, clip)
+    ctx.privacy = dp
     ctx.client_transforms.append(dp)
     clients = np.arange(ctx.n_clients)
     raw = ctx.sim.train(clients, ctx.init_row, ctx.train, 1).rows - ctx.init_row
@@ -229,9 +241,9 @@ def test_poisson_plan_is_what_the_accountant_assumes():
 def test_same_seed_same_noise_other_seed_other_noise():
     start = torch.zeros(3, 500)
     clients = np.array([0, 1, 2])
-    a = client_dp(3, 1.0, 1.0, seed=0)(clients, start, start, rnd=4)
-    b = client_dp(3, 1.0, 1.0, seed=0)(clients, start, start, rnd=4)
-    c = client_dp(3, 1.0, 1.0, seed=1)(clients, start, start, rnd=4)
+    a = upload(client_dp(3, 1.0, 1.0, seed=0), clients, start, start, rnd=4)
+    b = upload(client_dp(3, 1.0, 1.0, seed=0), clients, start, start, rnd=4)
+    c = upload(client_dp(3, 1.0, 1.0, seed=1), clients, start, start, rnd=4)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)
     assert not torch.allclose(a[0], a[1])  # clients draw different noise
@@ -240,8 +252,8 @@ def test_same_seed_same_noise_other_seed_other_noise():
 def test_no_two_uploads_of_a_client_share_noise():
     dp = client_dp(1, 1.0, 1.0)
     start = torch.zeros(1, 500)
-    first = dp(np.array([0]), start, start, rnd=2)
-    second = dp(np.array([0]), start, start, rnd=2)  # e.g. a DCFL newcomer trains twice
+    first = upload(dp, np.array([0]), start, start, rnd=2)
+    second = upload(dp, np.array([0]), start, start, rnd=2)  # e.g. a DCFL newcomer trains twice
     assert not torch.allclose(first, second)
 
 

@@ -226,21 +226,26 @@ class RecordDP:
     client id. ``poisson`` plans Poisson batches (what the accountant
     assumes) instead of shuffled ones. ``ledger`` (optional) is told the
     steps every client's training took and supplies the release counter
-    that keys the noise; without it the counter is 0.
+    that keys the noise; without it the counter is ``release`` (a Flower
+    node training its one client gets it in the request).
     """
 
     clip: float
     noise_multiplier: float | Sequence[float] = 1.0
     poisson: bool = True
     ledger: LocalDP | None = None
+    release: int = 0
 
     def sigma(self, client: int) -> float:
         s = self.noise_multiplier
         return float(s) if isinstance(s, int | float) else float(s[client])
 
+    def releases(self, client: int) -> int:
+        """The client's uploads released so far: the counter that keys its noise."""
+        return self.release if self.ledger is None else int(self.ledger.releases[client])
+
     def generator(self, seed: int, purpose: str, rnd: int, client: int) -> torch.Generator:
-        k = 0 if self.ledger is None else int(self.ledger.releases[client])
-        return torch_rng(seed, f"dp-sgd/{purpose}", rnd, client, k)
+        return torch_rng(seed, f"dp-sgd/{purpose}", rnd, client, self.releases(client))
 
     def trained(self, clients: np.ndarray, steps: torch.Tensor) -> None:
         if self.ledger is not None:
@@ -252,15 +257,73 @@ def steps_per_epoch(n_samples: int, batch_size: int) -> int:
     return max(1, math.ceil(n_samples / batch_size))
 
 
+@dataclass(frozen=True)
+class UploadTicket:
+    """One client's release rule for one upload (:meth:`LocalDP.ticket`).
+
+    What a client needs to privatise its own upload or withhold it: the
+    mode, clip C and noise multiplier σ, how many uploads it has released
+    (keys the noise) and how many steps its budget has left. A release costs
+    1 step (client level) or the DP-SGD steps of the training (record level).
+    """
+
+    mode: Literal["client", "record"]
+    clip: float
+    noise_multiplier: float
+    release: int
+    remaining: int
+
+    def allows(self, steps: int) -> bool:
+        return (steps if self.mode == "record" else 1) <= self.remaining
+
+
+def release_uploads(
+    tickets: Sequence[UploadTicket],
+    clients: Sequence[int],
+    start: torch.Tensor,
+    trained: torch.Tensor,
+    steps: torch.Tensor,
+    seed: int,
+    rnd: int,
+) -> torch.Tensor:
+    """What clients upload [n, d] after training from ``start`` to ``trained`` [n, d].
+
+    Client level: start + clip(trained − start, C) + N(0, σ²C²·I), the noise
+    from ``torch_rng(seed, "dp", rnd, client, release)``; record level: the
+    trained row (DP-SGD already privatised it). A client whose budget does
+    not allow the release withholds it: its row is NaN, which the server
+    rejects like any malformed upload. Runs where the client is: in the
+    simulator's process or on the client's Flower node.
+    """
+    if len({t.clip for t in tickets}) > 1:
+        raise ValueError("release_uploads: the tickets of one call must share the clip C")
+    out = trained.clone()
+    allowed = np.array([t.allows(int(n)) for t, n in zip(tickets, steps, strict=True)], dtype=bool)
+    noisy = allowed & np.array([t.mode == "client" for t in tickets], dtype=bool)
+    if noisy.any():
+        mask = torch.as_tensor(noisy)
+        updates = clip_rows(trained[mask] - start[mask], tickets[0].clip)
+        for j, i in enumerate(np.flatnonzero(noisy)):
+            t = tickets[i]
+            gen = torch_rng(seed, "dp", rnd, int(clients[i]), t.release)
+            updates[j] += gaussian_noise(updates.shape[1:], t.noise_multiplier * t.clip, gen)
+        out[mask] = start[mask] + updates
+    out[torch.as_tensor(~allowed)] = float("nan")
+    return out
+
+
 # ----------------------------------------------------------------- the ledger
 class LocalDP:
     """A job's local differential privacy: the upload transform, DP-SGD option and ledger.
 
-    Installed in :attr:`~fedcluster.algorithms.base.Context.client_transforms`
-    (it is an ``UploadTransform``), so it applies to every algorithm's uploads
-    through :meth:`~fedcluster.algorithms.base.Context.exchange`. Per client
-    it keeps σ_i, the sample rate q_i, the budget (steps) and the steps and
-    uploads released so far.
+    Installed as :attr:`~fedcluster.algorithms.base.Context.privacy`, so it
+    applies to every algorithm's uploads through
+    :meth:`~fedcluster.algorithms.base.Context.exchange`: the backend's
+    ``train`` releases each upload where the client is
+    (:func:`release_uploads`, from the client's :meth:`ticket`), and this
+    ledger, an ``UploadTransform`` in ``client_transforms``, then records what
+    was released. Per client it keeps σ_i, the sample rate q_i, the budget
+    (steps) and the steps and uploads released so far.
     """
 
     def __init__(
@@ -342,6 +405,7 @@ class LocalDP:
         dp = cls.from_config(config, ctx.train_sizes, ctx.seed)
         if dp is not None:
             ctx.train = dp.local_training(ctx.train)
+            ctx.privacy = dp
             ctx.client_transforms.append(dp)
         return dp
 
@@ -358,26 +422,29 @@ class LocalDP:
         return replace(train, dp=record)
 
     # ------------------------------------------------------------ upload
+    def ticket(self, client: int) -> UploadTicket:
+        """Client ``client``'s release rule for its next upload."""
+        return UploadTicket(
+            mode=self.mode,
+            clip=self.clip,
+            noise_multiplier=float(self.noise_multiplier[client]),
+            release=int(self.releases[client]),
+            remaining=int(self.budget[client] - self.steps[client]),
+        )
+
     def __call__(
-        self, clients: np.ndarray, start: torch.Tensor, trained: torch.Tensor, rnd: int
+        self, clients: np.ndarray, start: torch.Tensor, released: torch.Tensor, rnd: int
     ) -> torch.Tensor:
-        """The rows the clients upload: privatised, or NaN where a budget would be exceeded."""
+        """Record the uploads the clients ``released`` (:func:`release_uploads` ran in
+        the backend's ``train``); the rows are passed on, NaN where withheld."""
         clients = np.asarray(clients, dtype=np.int64)
         cost = np.ones(len(clients), dtype=np.int64)
         if self.mode == "record":
             cost = self.pending[clients].copy()
             self.pending[clients] = 0
-        out = trained.clone()
-        allowed = self.steps[clients] + cost <= self.budget[clients]
-        if self.mode == "client":
-            updates = clip_rows(trained[allowed] - start[allowed], self.clip)
-            for j, c in enumerate(clients[allowed]):
-                gen = torch_rng(self.seed, "dp", rnd, int(c), int(self.releases[c]))
-                std = float(self.noise_multiplier[c]) * self.clip
-                updates[j] += gaussian_noise(updates.shape[1:], std, gen)
-            out[torch.as_tensor(allowed)] = start[allowed] + updates
+        out = released.clone()
         for i, c in enumerate(clients):
-            if allowed[i]:
+            if self.steps[c] + cost[i] <= self.budget[c]:
                 self.steps[c] += cost[i]
                 self.releases[c] += 1
                 continue

@@ -25,7 +25,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from torch import nn
 from fedcluster.engine.backend import Backend
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.results import EvalResult
+
+if TYPE_CHECKING:
+    from fedcluster.privacy import LocalDP
 
 State = dict[str, Any]
 
@@ -69,7 +72,7 @@ class Comm:
 UploadTransform = Callable[[np.ndarray, torch.Tensor, torch.Tensor, int], torch.Tensor]
 """What a client does to its model between local training and upload, in
 :meth:`Context.exchange`: ``(clients, start_rows, trained_rows, round) -> rows``
-(e.g. clipping and noising the update for local differential privacy, or a
+(e.g. the local-DP ledger recording what the backend released, or a
 simulated faulty client)."""
 
 
@@ -137,6 +140,9 @@ class Context:
     comm: Comm = field(default_factory=Comm)
     rejected: list[int] = field(default_factory=list)
     client_transforms: list[UploadTransform] = field(default_factory=list)
+    privacy: LocalDP | None = None
+    """Local DP of the uploads (:class:`~fedcluster.privacy.LocalDP`), released by the
+    backend where the client is; its ledger is among ``client_transforms``."""
     bound: UpdateBound = field(default_factory=UpdateBound)
     failed: list[int] = field(default_factory=list)
     events: list[tuple[int, str, str]] = field(default_factory=list)
@@ -223,7 +229,9 @@ class Context:
             clients, start, start_rows = clients[reply], start_rows[reply], start_rows[reply]
         if not len(clients):
             return Exchange(reply, clients, torch.empty(0, self.dim), torch.empty(0))
-        result = self.sim.train(clients, start, cfg or self.train, rnd, purpose)
+        result = self.sim.train(
+            clients, start, cfg or self.train, rnd, purpose, privacy=self.privacy
+        )
         rows = result.rows
         for transform in self.client_transforms:
             rows = transform(clients, start_rows, rows, rnd)

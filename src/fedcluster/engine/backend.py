@@ -11,7 +11,7 @@ report on Flower.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from torch import nn
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.results import EvalResult, TrainResult
+
+if TYPE_CHECKING:
+    from fedcluster.privacy import LocalDP
 
 
 class FederationView(Protocol):
@@ -59,6 +62,7 @@ class Backend(Protocol):
         rnd: int,
         purpose: str = "train",
         classifier_only: bool = False,
+        privacy: LocalDP | None = None,
     ) -> TrainResult: ...
 
     def losses_and_grads(

@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,7 +45,15 @@ from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.trajectory import gradient_trajectories
-from fedcluster.privacy import gaussian_noise, noisy_clipped_sum, per_sample_gradients
+from fedcluster.privacy import (
+    gaussian_noise,
+    noisy_clipped_sum,
+    per_sample_gradients,
+    release_uploads,
+)
+
+if TYPE_CHECKING:
+    from fedcluster.privacy import LocalDP
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
 """One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
@@ -136,10 +145,14 @@ class Simulator(ClientClock):
         rnd: int,
         purpose: str = "train",
         classifier_only: bool = False,
+        privacy: LocalDP | None = None,
     ) -> TrainResult:
         """Local SGD for each client from its start row (FedAvg's ClientUpdate).
 
         ``start`` is [n, d] (or [d], broadcast). FedProx's anchor is the start row.
+        With ``privacy`` the rows are what the clients upload under local DP
+        (:func:`~fedcluster.privacy.release_uploads`: privatised, or NaN where
+        withheld); the caller's ledger then records the releases.
         """
         clients = np.asarray(clients, dtype=np.int64)
         start = broadcast_rows(start, len(clients), self.layout.dim)
@@ -149,10 +162,23 @@ class Simulator(ClientClock):
             if cfg.dp is not None:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
                 cfg.dp.trained(clients, result.steps)
+            elif self.kernel is not None:
+                result = self._train_kernel(plans, clients, start, cfg, classifier_only)
+            else:
+                result = self._train_autograd(plans, start, cfg, classifier_only)
+            if privacy is None:
                 return result
-            if self.kernel is not None:
-                return self._train_kernel(plans, clients, start, cfg, classifier_only)
-            return self._train_autograd(plans, start, cfg, classifier_only)
+            ids = self.client_ids[clients]
+            rows = release_uploads(
+                [privacy.ticket(int(c)) for c in ids],
+                ids,
+                start,
+                result.rows,
+                result.steps,
+                self.seed,
+                rnd,
+            )
+            return TrainResult(rows, result.loss, result.steps)
 
     def _train_autograd(
         self,

@@ -20,7 +20,7 @@ sample-weighted averaging), the ground-truth group where the node knows one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.flower import protocol
+
+if TYPE_CHECKING:
+    from fedcluster.privacy import LocalDP
 
 
 class FlowerClientError(RuntimeError):
@@ -140,12 +143,19 @@ class FlowerBackend(ClientClock):
         clients: np.ndarray,
         arrays: list[dict[str, torch.Tensor]],
         config: dict[str, Any],
+        own: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, torch.Tensor]]:
-        """Send request ``kind`` to each client's node; the reply tensors, in client order."""
+        """Send request ``kind`` to each client's node (settings ``config``, plus the
+        client's ``own`` ones); the reply tensors, in client order."""
         base = {"experiment": self._experiment, "seed": self.seed, **config}
+        own = own or [{}] * len(clients)
         messages = [
-            Message(protocol.request(a, base), dst_node_id=self.nodes[int(c)], message_type=kind)
-            for c, a in zip(clients, arrays, strict=True)
+            Message(
+                protocol.request(a, {**base, **o}),
+                dst_node_id=self.nodes[int(c)],
+                message_type=kind,
+            )
+            for c, a, o in zip(clients, arrays, own, strict=True)
         ]
         with self.timed():
             replies = _receive(self.grid, messages, self.timeout, [f"client {c}" for c in clients])
@@ -159,17 +169,32 @@ class FlowerBackend(ClientClock):
         rnd: int,
         purpose: str = "train",
         classifier_only: bool = False,
+        privacy: LocalDP | None = None,
     ) -> TrainResult:
-        """Local SGD on each client's node from its start row (:meth:`Simulator.train`)."""
+        """Local SGD on each client's node from its start row (:meth:`Simulator.train`).
+
+        Under local DP each node draws its own noise: DP-SGD's (``cfg.dp``) and,
+        for an upload (``privacy``), the client-level noise, or withholds the
+        upload its budget does not allow; the ledgers stay here.
+        """
         clients = np.asarray(clients, dtype=np.int64)
         rows = broadcast_rows(start, len(clients), self.layout.dim)
         config = {**protocol.training_config(cfg, rnd, purpose), "classifier_only": classifier_only}
-        out = self._ask(protocol.TRAIN, clients, [{"start": r} for r in rows], config)
-        return TrainResult(
+        own: list[dict[str, Any]] = [{} for _ in clients]
+        for settings, c in zip(own, clients, strict=True):
+            if cfg.dp is not None:
+                settings.update(protocol.client_dp_config(cfg.dp, int(c)))
+            if privacy is not None:
+                settings.update(protocol.ticket_config(privacy.ticket(int(c))))
+        out = self._ask(protocol.TRAIN, clients, [{"start": r} for r in rows], config, own)
+        result = TrainResult(
             torch.stack([o["row"] for o in out]).reshape(len(clients), -1),
             torch.cat([o["loss"] for o in out]),
             torch.cat([o["steps"] for o in out]),
         )
+        if cfg.dp is not None:
+            cfg.dp.trained(clients, result.steps)
+        return result
 
     def losses_and_grads(
         self,

@@ -28,6 +28,7 @@ from fedcluster.config import validate_config
 from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.flower import protocol
+from fedcluster.privacy import release_uploads
 from fedcluster.runner import Experiment
 
 client_app = ClientApp()
@@ -78,16 +79,16 @@ def setup(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Local training from the received model (:meth:`Simulator.train`)."""
     sim, config = _node(msg, context)
-    start = protocol.tensors(msg.content)["start"]
+    start = protocol.tensors(msg.content)["start"].unsqueeze(0)
+    cfg, rnd, purpose = protocol.training_from(config)
     result = sim.train(
-        np.array([0]),
-        start.unsqueeze(0),
-        *protocol.training_from(config),
-        classifier_only=bool(config["classifier_only"]),
+        np.array([0]), start, cfg, rnd, purpose, classifier_only=bool(config["classifier_only"])
     )
-    return _answer(
-        msg, protocol.reply({"row": result.rows[0], "loss": result.loss, "steps": result.steps})
-    )
+    row = result.rows
+    ticket = protocol.ticket_from(config)
+    if ticket is not None:  # local DP: privatise (or withhold) before anything leaves the node
+        row = release_uploads([ticket], sim.client_ids, start, row, result.steps, sim.seed, rnd)
+    return _answer(msg, protocol.reply({"row": row[0], "loss": result.loss, "steps": result.steps}))
 
 
 @client_app.query("losses")

@@ -34,11 +34,6 @@ from fedcluster.runner import Experiment, JobResult
 
 def check_supported(config: ExperimentConfig) -> None:
     """Raise :class:`ConfigError` for what the Flower backend cannot run yet."""
-    if config.privacy.mode != "none":
-        raise ConfigError(
-            "privacy: local differential privacy is not available on the Flower backend yet "
-            "(its noise must be drawn on the node); run it with the simulator"
-        )
     if config.scenario.drift:
         raise ConfigError(
             "scenario.drift: data drift changes data the server holds in simulation; "
