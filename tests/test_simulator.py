@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
-from fedcluster.engine.simulator import Simulator, _nonzero_span
+from fedcluster.engine.simulator import MAX_GROUP, Simulator, _nonzero_span, balanced_group_size
 from fedcluster.models import build_model
 
 
@@ -244,3 +246,18 @@ def test_kernel_follows_in_place_changes_of_the_training_data(mnist_federation):
     fast = sim.train(clients, start, cfg, 2).rows
     plain = reference_train(model, fed, clients, start, cfg, seed=2, rnd=2)
     assert (fast - plain).abs().max().item() <= 1e-5
+
+
+def test_default_groups_are_equal_and_keep_every_worker_busy():
+    assert balanced_group_size(80, 2) == 8  # the round benchmark: 10 groups of 8
+    assert balanced_group_size(24, 2) == 6  # the main job: 4 groups of 6, 2 per thread
+    assert balanced_group_size(12, 2) == 6
+    assert balanced_group_size(100, 2) == 7  # 15 groups: 8 and 7 per thread
+    assert balanced_group_size(7, 1) == 7
+    assert balanced_group_size(1, 2) == 1
+    for n in range(1, 200):
+        for workers in (1, 2, 4):
+            size = balanced_group_size(n, workers)
+            groups = math.ceil(n / size)
+            assert 1 <= size <= MAX_GROUP
+            assert groups >= min(n, workers)  # no worker idles while another has two groups

@@ -254,7 +254,12 @@ class ExperimentConfig(_Strict):
     )
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(5, ge=1)
-    group_size: int = Field(4, ge=1, description="clients trained together by the MLP kernel")
+    group_size: int | None = Field(
+        None,
+        ge=1,
+        description="clients trained together by the MLP kernel (default: equal groups of at "
+        "most 8 that keep every worker thread busy)",
+    )
 
     @model_validator(mode="after")
     def _unique_labels(self) -> ExperimentConfig:

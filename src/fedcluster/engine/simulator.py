@@ -69,8 +69,10 @@ row weights [G, B], FedProx anchors) -> batch losses [G]`` (updates ``params`` i
 class Simulator(ClientClock):
     """Batched client computations over a packed federation.
 
-    ``group_size`` clients train together on the MLP kernel; the groups run on
-    ``threads`` worker threads (default: ``torch.get_num_threads()``).
+    ``group_size`` clients train together on the MLP kernel (default: as
+    many equal groups of at most :data:`MAX_GROUP` clients as keep every
+    worker busy, :func:`balanced_group_size`); the groups run on ``threads``
+    worker threads (default: ``torch.get_num_threads()``).
     ``client_ids`` names the federation's clients in the random streams (batch
     plans, DP noise); by default client i is i. A Flower node holding one
     client of a larger federation passes that client's id, so its batches are
@@ -82,7 +84,7 @@ class Simulator(ClientClock):
         model: nn.Module,
         federation: Federation,
         seed: int,
-        group_size: int = 4,
+        group_size: int | None = None,
         use_kernel: bool = True,
         threads: int | None = None,
         client_ids: np.ndarray | None = None,
@@ -98,7 +100,7 @@ class Simulator(ClientClock):
         )
         self.layout = ParamLayout(model)
         self.seed = seed
-        self.group_size = max(1, int(group_size))
+        self.group_size = None if group_size is None else max(1, int(group_size))
         self.threads = threads
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
@@ -433,8 +435,10 @@ class Simulator(ClientClock):
 
         # Clients with similar step counts share a group, so little work is padding.
         order = np.argsort(-steps.numpy(), kind="stable")
-        groups = [order[g0 : g0 + self.group_size] for g0 in range(0, n, self.group_size)]
-        _run_on_threads(run_group, groups, self.threads or torch.get_num_threads())
+        workers = self.threads or torch.get_num_threads()
+        size = self.group_size or balanced_group_size(n, workers)
+        groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
+        _run_on_threads(run_group, groups, workers)
         return TrainResult(out, losses, steps)
 
     # ------------------------------------------------------- losses and grads
@@ -590,6 +594,20 @@ def _nonzero_span(x: torch.Tensor) -> slice:
     if len(used) == 0:
         return slice(0, 0)
     return slice(int(used[0]), int(used[-1]) + 1)
+
+
+MAX_GROUP = 8
+"""The default's largest group: on JGL's MLP (docs/benchmarks.md) groups of 8
+train a round fastest; larger ones are no faster."""
+
+
+def balanced_group_size(n_clients: int, workers: int) -> int:
+    """Group size for ``n_clients`` on ``workers`` threads: ⌊n / (w·p)⌋ with
+    p = ⌈n / (w·MAX_GROUP)⌉ groups per worker, so groups hold at most
+    :data:`MAX_GROUP` clients and every worker gets at least p of them
+    (80 clients on 2 threads: 10 groups of 8; 24 clients: 4 groups of 6)."""
+    per_worker = max(1, math.ceil(n_clients / (workers * MAX_GROUP)))
+    return max(1, n_clients // (workers * per_worker))
 
 
 def _as_range(members: np.ndarray) -> slice | None:
