@@ -224,10 +224,9 @@ class RecordDP:
 
     ``noise_multiplier`` is one σ for all clients or a sequence indexed by
     client id. ``poisson`` plans Poisson batches (what the accountant
-    assumes) instead of shuffled ones. ``ledger`` (optional) is told the
-    steps every client's training took and supplies the release counter
-    that keys the noise; without it the counter is ``release`` (a Flower
-    node training its one client gets it in the request).
+    assumes) instead of shuffled ones. ``ledger`` (optional) supplies the
+    release counter that keys the noise; without it the counter is
+    ``release`` (a Flower node training its one client gets it in the request).
     """
 
     clip: float
@@ -246,10 +245,6 @@ class RecordDP:
 
     def generator(self, seed: int, purpose: str, rnd: int, client: int) -> torch.Generator:
         return torch_rng(seed, f"dp-sgd/{purpose}", rnd, client, self.releases(client))
-
-    def trained(self, clients: np.ndarray, steps: torch.Tensor) -> None:
-        if self.ledger is not None:
-            self.ledger.pending[np.asarray(clients)] = steps.numpy()
 
 
 def steps_per_epoch(n_samples: int, batch_size: int) -> int:
@@ -273,8 +268,12 @@ class UploadTicket:
     release: int
     remaining: int
 
+    def cost(self, steps: int) -> int:
+        """Budget steps a release costs after a training of ``steps`` steps."""
+        return steps if self.mode == "record" else 1
+
     def allows(self, steps: int) -> bool:
-        return (steps if self.mode == "record" else 1) <= self.remaining
+        return self.cost(steps) <= self.remaining
 
 
 def release_uploads(
@@ -314,16 +313,16 @@ def release_uploads(
 
 # ----------------------------------------------------------------- the ledger
 class LocalDP:
-    """A job's local differential privacy: the upload transform, DP-SGD option and ledger.
+    """A job's local differential privacy: release rules, DP-SGD option and ledger.
 
     Installed as :attr:`~fedcluster.algorithms.base.Context.privacy`, so it
     applies to every algorithm's uploads through
     :meth:`~fedcluster.algorithms.base.Context.exchange`: the backend's
     ``train`` releases each upload where the client is
-    (:func:`release_uploads`, from the client's :meth:`ticket`), and this
-    ledger, an ``UploadTransform`` in ``client_transforms``, then records what
-    was released. Per client it keeps σ_i, the sample rate q_i, the budget
-    (steps) and the steps and uploads released so far.
+    (:func:`release_uploads`, from the client's :meth:`ticket`), and
+    :meth:`record` then enters what was released in the ledger. Per client it
+    keeps σ_i, the sample rate q_i, the budget (steps) and the steps and
+    uploads released so far.
     """
 
     def __init__(
@@ -353,7 +352,6 @@ class LocalDP:
         n = len(self.noise_multiplier)
         self.steps = np.zeros(n, dtype=np.int64)  # sampled Gaussian steps released
         self.releases = np.zeros(n, dtype=np.int64)  # uploads released
-        self.pending = np.zeros(n, dtype=np.int64)  # DP-SGD steps of the last training
         self._warned: set[int] = set()
 
     # ----------------------------------------------------------- building
@@ -401,12 +399,11 @@ class LocalDP:
 
     @classmethod
     def install(cls, ctx: Context, config: ExperimentConfig) -> LocalDP | None:
-        """Build from ``config`` and install in ``ctx`` (transform; DP-SGD for record level)."""
+        """Build from ``config`` and install in ``ctx`` (its privacy; DP-SGD for record level)."""
         dp = cls.from_config(config, ctx.train_sizes, ctx.seed)
         if dp is not None:
             ctx.train = dp.local_training(ctx.train)
             ctx.privacy = dp
-            ctx.client_transforms.append(dp)
         return dp
 
     def local_training(self, train: LocalTraining) -> LocalTraining:
@@ -432,23 +429,16 @@ class LocalDP:
             remaining=int(self.budget[client] - self.steps[client]),
         )
 
-    def __call__(
-        self, clients: np.ndarray, start: torch.Tensor, released: torch.Tensor, rnd: int
-    ) -> torch.Tensor:
-        """Record the uploads the clients ``released`` (:func:`release_uploads` ran in
-        the backend's ``train``); the rows are passed on, NaN where withheld."""
-        clients = np.asarray(clients, dtype=np.int64)
-        cost = np.ones(len(clients), dtype=np.int64)
-        if self.mode == "record":
-            cost = self.pending[clients].copy()
-            self.pending[clients] = 0
-        out = released.clone()
-        for i, c in enumerate(clients):
-            if self.steps[c] + cost[i] <= self.budget[c]:
-                self.steps[c] += cost[i]
+    def record(self, clients: np.ndarray, steps: torch.Tensor, rnd: int) -> None:
+        """Enter in the ledger what ``clients`` released after trainings of ``steps``
+        steps (:func:`release_uploads` ran in the backend's ``train``, with the same
+        tickets): a release costs its ticket's steps; a withheld upload costs nothing."""
+        for c, n in zip(np.asarray(clients, dtype=np.int64), steps.tolist(), strict=True):
+            ticket = self.ticket(int(c))
+            if ticket.allows(int(n)):
+                self.steps[c] += ticket.cost(int(n))
                 self.releases[c] += 1
                 continue
-            out[i] = float("nan")
             if int(c) not in self._warned:
                 self._warned.add(int(c))
                 log.warning(
@@ -459,7 +449,6 @@ class LocalDP:
                     self.steps[c],
                     self.budget[c],
                 )
-        return out
 
     # ------------------------------------------------------- accounting
     def epsilons(self) -> np.ndarray:
@@ -512,7 +501,4 @@ def max_participations(config: ExperimentConfig, n_clients: int) -> int:
 
 def reported_epsilon(ctx: Context) -> float:
     """The ``epsilon`` metric: max ε spent over clients, NaN without local DP."""
-    for transform in ctx.client_transforms:
-        if isinstance(transform, LocalDP):
-            return transform.max_epsilon()
-    return math.nan
+    return math.nan if ctx.privacy is None else ctx.privacy.max_epsilon()

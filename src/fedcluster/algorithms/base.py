@@ -72,8 +72,7 @@ class Comm:
 UploadTransform = Callable[[np.ndarray, torch.Tensor, torch.Tensor, int], torch.Tensor]
 """What a client does to its model between local training and upload, in
 :meth:`Context.exchange`: ``(clients, start_rows, trained_rows, round) -> rows``
-(e.g. the local-DP ledger recording what the backend released, or a
-simulated faulty client)."""
+(e.g. a simulated faulty client)."""
 
 
 @dataclass
@@ -141,8 +140,8 @@ class Context:
     rejected: list[int] = field(default_factory=list)
     client_transforms: list[UploadTransform] = field(default_factory=list)
     privacy: LocalDP | None = None
-    """Local DP of the uploads (:class:`~fedcluster.privacy.LocalDP`), released by the
-    backend where the client is; its ledger is among ``client_transforms``."""
+    """Local DP of the uploads (:class:`~fedcluster.privacy.LocalDP`): the backend
+    releases them where the client is, :meth:`exchange` records them in its ledger."""
     bound: UpdateBound = field(default_factory=UpdateBound)
     failed: list[int] = field(default_factory=list)
     events: list[tuple[int, str, str]] = field(default_factory=list)
@@ -232,6 +231,8 @@ class Context:
         result = self.sim.train(
             clients, start, cfg or self.train, rnd, purpose, privacy=self.privacy
         )
+        if self.privacy is not None:
+            self.privacy.record(clients, result.steps, rnd)
         rows = result.rows
         for transform in self.client_transforms:
             rows = transform(clients, start_rows, rows, rnd)

@@ -154,7 +154,7 @@ class Simulator(ClientClock):
         ``start`` is [n, d] (or [d], broadcast). FedProx's anchor is the start row.
         With ``privacy`` the rows are what the clients upload under local DP
         (:func:`~fedcluster.privacy.release_uploads`: privatised, or NaN where
-        withheld); the caller's ledger then records the releases.
+        withheld); the caller records the releases in its ledger.
         """
         clients = np.asarray(clients, dtype=np.int64)
         start = broadcast_rows(start, len(clients), self.layout.dim)
@@ -163,7 +163,6 @@ class Simulator(ClientClock):
             plans = self.plans(clients, cfg, rnd, purpose)
             if cfg.dp is not None:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
-                cfg.dp.trained(clients, result.steps)
             elif self.kernel is not None:
                 result = self._train_kernel(plans, clients, start, cfg, classifier_only)
             else:

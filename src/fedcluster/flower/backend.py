@@ -175,7 +175,7 @@ class FlowerBackend(ClientClock):
 
         Under local DP each node draws its own noise: DP-SGD's (``cfg.dp``) and,
         for an upload (``privacy``), the client-level noise, or withholds the
-        upload its budget does not allow; the ledgers stay here.
+        upload its budget does not allow; the ledger stays on the server.
         """
         clients = np.asarray(clients, dtype=np.int64)
         rows = broadcast_rows(start, len(clients), self.layout.dim)
@@ -187,14 +187,11 @@ class FlowerBackend(ClientClock):
             if privacy is not None:
                 settings.update(protocol.ticket_config(privacy.ticket(int(c))))
         out = self._ask(protocol.TRAIN, clients, [{"start": r} for r in rows], config, own)
-        result = TrainResult(
+        return TrainResult(
             torch.stack([o["row"] for o in out]).reshape(len(clients), -1),
             torch.cat([o["loss"] for o in out]),
             torch.cat([o["steps"] for o in out]),
         )
-        if cfg.dp is not None:
-            cfg.dp.trained(clients, result.steps)
-        return result
 
     def losses_and_grads(
         self,
