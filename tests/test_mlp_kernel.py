@@ -64,7 +64,9 @@ def test_deferred_steps_equal_step_by_step_sgd(widths, with_grams):
     grams = (lambda chosen: torch.stack([gram[c][:, c] for c in chosen])) if with_grams else None
     assert 1 < kernel.deferral(batch) < steps  # several chunks of several steps
     deferred = rows.clone()
-    total = kernel.sgd_deferred(deferred, samples, idx, y, weight, 0.3, grams=grams)
+    total = kernel.sgd_deferred(
+        deferred, samples, idx, y, weight, 0.3, kernel.deferral(batch), grams=grams
+    )
     assert (deferred - expected).abs().max().item() <= 1e-6
     assert torch.allclose(total, stepwise, atol=1e-6)
     assert not torch.equal(deferred, rows)
@@ -82,9 +84,11 @@ def test_skipping_features_that_are_zero_everywhere_is_exact():
     samples, idx = _gathered(x)
 
     full = rows.clone()
-    kernel.sgd_deferred(full, samples, idx, y, weight, 0.3)
+    kernel.sgd_deferred(full, samples, idx, y, weight, 0.3, kernel.deferral(4))
     part = rows.clone()
-    kernel.sgd_deferred(part, samples[:, 5:17], idx, y, weight, 0.3, slice(5, 17))
+    kernel.sgd_deferred(
+        part, samples[:, 5:17], idx, y, weight, 0.3, kernel.deferral(4), slice(5, 17)
+    )
     assert (full - part).abs().max().item() <= 1e-6
     first = kernel.layers[0]
     w_before = rows[:, first.weight].view(2, 16, 20)
@@ -103,7 +107,7 @@ def test_a_shared_start_takes_one_product_for_the_group_and_the_same_steps():
     samples, idx = _gathered(x)
     rows = row.expand(3, -1)
     separate, shared = rows.clone(), rows.clone()
-    kernel.sgd_deferred(separate, samples, idx, y, weight, 0.3)
-    kernel.sgd_deferred(shared, samples, idx, y, weight, 0.3, same_start=True)
+    kernel.sgd_deferred(separate, samples, idx, y, weight, 0.3, kernel.deferral(4))
+    kernel.sgd_deferred(shared, samples, idx, y, weight, 0.3, kernel.deferral(4), same_start=True)
     assert (separate - shared).abs().max().item() <= 1e-6
     assert not torch.equal(shared[0], shared[1])  # the members' own steps

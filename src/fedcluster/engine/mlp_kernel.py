@@ -234,6 +234,7 @@ class MLPKernel:
         y: torch.Tensor,
         weight: torch.Tensor,
         lr: float,
+        chunk: int,
         features: slice | None = None,
         grams: Callable[[torch.Tensor], torch.Tensor] | None = None,
         same_start: bool = False,
@@ -248,8 +249,9 @@ class MLPKernel:
         are zero in every training sample (``features`` names the ones kept):
         they add nothing to a pre-activation and their weights get zero gradient.
 
-        Inside a chunk of steps starting at c, SGD makes the first layer's
-        weights (``nn.Linear`` layout, [out, in]) W_s = W_c − η Σ_{c≤t<s} δ_tᵀ X_t
+        Inside a chunk of ``chunk`` steps (:meth:`deferral`) starting at c, SGD
+        makes the first layer's weights (``nn.Linear`` layout, [out, in])
+        W_s = W_c − η Σ_{c≤t<s} δ_tᵀ X_t
         (X_t the step's inputs, δ_t its pre-activation gradients), so the
         pre-activations of step s are
 
@@ -277,7 +279,6 @@ class MLPKernel:
         upper = self.unpack(rows, from_layer=1)
         total = torch.zeros(g, dtype=rows.dtype)
         widths = (weight > 0).sum(dim=2).amax(dim=0).tolist()
-        chunk = self.deferral(weight.shape[2])
         for c in range(0, n_steps, chunk):
             steps = range(c, min(n_steps, c + chunk))
             chosen = torch.cat([idx[:, s, : widths[s]] for s in steps], dim=1)

@@ -413,6 +413,7 @@ class Simulator(ClientClock):
                     self.federation.y_train[idx],
                     weight,
                     cfg.lr,
+                    deferral,
                     self._features,
                     None if grams is None else partial(grams.gather, clients[members]),
                     same_start=start.stride(0) == 0,
