@@ -37,7 +37,7 @@ TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv")
 
 # case -> (preset, config file, --set overrides, needs the shared datasets)
 CASES: dict[str, tuple[str | None, str | None, list[str], bool]] = {
-    "quickstart": ("quickstart", None, [], False),
+    "quickstart": (None, "main-job.yaml", [], False),
     "dp-client": (None, "dp-client.yaml", [], False),
     "dp-record": (None, "dp-record.yaml", [], False),
     "dynamic": (None, "dynamic.yaml", [], False),
