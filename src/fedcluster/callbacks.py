@@ -1,0 +1,63 @@
+"""Callbacks of the round loop: what happens around each run, job and round.
+
+The runner (:mod:`fedcluster.runner`) calls every callback of a run at five
+points; the run directory's CSV writers, checkpoints, the progress bar and
+the summary are callbacks themselves, and a user attaches their own from
+Python (a logger, early stopping) without editing the runner
+(``Experiment(config, callbacks=[...])``). Modelled on pfl-research's
+callbacks (``pfl.callback``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedcluster.config import ExperimentConfig
+    from fedcluster.runner import JobResult
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One run: its directory and resolved config; ``resume`` when continuing a killed run."""
+
+    path: Path
+    config: ExperimentConfig
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """One (algorithm, seed) job of a run: its label (``metrics.csv``'s ``algorithm``)."""
+
+    run: RunInfo
+    label: str
+    seed: int
+    first_round: int = 1
+
+
+class Callback:
+    """Override what you need; every method does nothing by default.
+
+    ``row`` is the round's ``metrics.csv`` row as a dict (column -> value,
+    NaN where empty); ``state`` is the algorithm's server state (read it, do
+    not change it). A callback whose :meth:`on_round_end` returns ``True``
+    stops the job after that round (early stopping).
+    """
+
+    def on_run_start(self, run: RunInfo) -> None:
+        """Before the first job."""
+
+    def on_job_start(self, job: JobInfo) -> None:
+        """Before a job's first round (``job.first_round`` > 1 when resumed)."""
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> bool | None:
+        """After round ``rnd`` was evaluated; return ``True`` to stop the job here."""
+
+    def on_job_end(self, job: JobInfo, result: JobResult) -> None:
+        """After a job's last round."""
+
+    def on_run_end(self, run: RunInfo, results: list[JobResult]) -> None:
+        """After the last job."""
