@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES
 from fedcluster.algorithms.cfl import CFL
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 N_GROUPS = 4
 PER_GROUP = 5
@@ -105,8 +104,10 @@ def test_bytes_and_determinism(permuted):
     alg = make_cfl(permuted, seed=4, warmup_rounds=1, min_cluster_size=3, **ALWAYS)
     state, losses = run(alg, 3)
     n, dim = permuted.n_clients, alg.ctx.dim  # the Comm counts all 3 rounds here
-    assert alg.ctx.comm.down == 3 * n * dim * FLOAT_BYTES
-    assert alg.ctx.comm.up == 3 * n * (dim * FLOAT_BYTES + INT_BYTES)  # update and sample count
+    assert alg.ctx.channel.traffic.down == 3 * n * dim * FLOAT_BYTES
+    assert alg.ctx.channel.traffic.up == 3 * n * (
+        dim * FLOAT_BYTES + INT_BYTES
+    )  # update and sample count
     again, losses_again = run(
         make_cfl(permuted, seed=4, warmup_rounds=1, min_cluster_size=3, **ALWAYS), 3
     )

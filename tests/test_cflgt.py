@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Comm
 from fedcluster.algorithms.cflgt import CFLGT
+from fedcluster.algorithms.channel import Traffic
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import Split
@@ -16,7 +16,7 @@ from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.errors import ConfigError
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 # Scenario 1 of CFLGT Sec. V-A: 5 label pairs (two of them share a label).
 PAIRS = [(0, 1), (1, 3), (2, 5), (4, 7), (6, 8)]
@@ -193,21 +193,30 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
     selected = np.array([1, 4, 7])
     # Round 1: FedAvg with the runner's selection.
     alg.run_round(state, 1, selected)
-    assert (ctx.comm.down, ctx.comm.up) == (3 * d * FLOAT_BYTES, 3 * (d * FLOAT_BYTES + INT_BYTES))
+    assert (ctx.channel.traffic.down, ctx.channel.traffic.up) == (
+        3 * d * FLOAT_BYTES,
+        3 * (d * FLOAT_BYTES + INT_BYTES),
+    )
     assert np.all(alg.clusters(state) == -1)
     rows, model_of = alg.eval_rows(state)
     assert torch.equal(rows, state["global"][None]) and np.all(model_of == 0)
     # Round 2: every client receives the model and uploads 2·C floats; nobody trains.
-    ctx.comm = Comm()
+    ctx.channel.traffic = Traffic()
     pretrained = state["global"].clone()
     assert np.isnan(alg.run_round(state, 2, selected))
-    assert ctx.comm.up == n * 2 * c * FLOAT_BYTES and ctx.comm.down == n * d * FLOAT_BYTES
+    assert (
+        ctx.channel.traffic.up == n * 2 * c * FLOAT_BYTES
+        and ctx.channel.traffic.down == n * d * FLOAT_BYTES
+    )
     labels = alg.clusters(state)
     assert torch.equal(state["models"], pretrained.expand(5, -1))
     # Round 3: 20% of all clients (4), drawn by CFLGT, train their cluster's model.
-    ctx.comm = Comm()
+    ctx.channel.traffic = Traffic()
     alg.run_round(state, 3, selected)
-    assert (ctx.comm.down, ctx.comm.up) == (4 * d * FLOAT_BYTES, 4 * (d * FLOAT_BYTES + INT_BYTES))
+    assert (ctx.channel.traffic.down, ctx.channel.traffic.up) == (
+        4 * d * FLOAT_BYTES,
+        4 * (d * FLOAT_BYTES + INT_BYTES),
+    )
     trained = alg.participants(state, 3, selected)
     assert len(trained) == 4 and not set(trained) <= set(selected)
     for k in range(5):
@@ -215,7 +224,7 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
         if len(members) == 0:
             assert torch.equal(state["models"][k], pretrained)
             continue
-        local = ctx.sim.train(members, pretrained, ctx.train, 3).rows
+        local = ctx.channel.backend.train(members, pretrained, ctx.train, 3).rows
         sizes = torch.as_tensor(equal_scenario.train_sizes[members])
         assert torch.allclose(state["models"][k], weighted_average(local, sizes), atol=1e-6)
     rows, model_of = alg.eval_rows(state)

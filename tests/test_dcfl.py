@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.base import FLOAT_BYTES
 from fedcluster.algorithms.dcfl import DCFL
 from fedcluster.clustering.distances import DCFL_VARIANTS
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, make_context
 
 N_GROUPS = 4
 PER_GROUP = 5
@@ -75,16 +74,22 @@ def test_newcomers_join_their_groups_cluster(rotated):
     assert torch.equal(rows[model_of_client[19]], state["models"].mean(dim=0))  # W_G
 
     dim = alg.ctx.dim
-    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     choice = alg.assign_newcomer(state, 19, 5)
-    assert alg.ctx.comm.down == alg.ctx.comm.up == dim * FLOAT_BYTES  # W_G down, update up
+    assert (
+        alg.ctx.channel.traffic.down == alg.ctx.channel.traffic.up == dim * FLOAT_BYTES
+    )  # W_G down, update up
     mates = state["assign"][initial[rotated.groups[initial] == rotated.groups[19]]]
     assert choice.tolist() == [mates[0]] and (mates == mates[0]).all()
 
-    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     everyone = np.arange(rotated.n_clients)
     run(alg, state, range(5, 6), everyone)  # clients 3 and 18 are newcomers here
-    assert alg.ctx.comm.down == alg.ctx.comm.up == (len(everyone) + 2) * dim * FLOAT_BYTES
+    assert (
+        alg.ctx.channel.traffic.down
+        == alg.ctx.channel.traffic.up
+        == (len(everyone) + 2) * dim * FLOAT_BYTES
+    )
     assert ari(rotated.groups, state["assign"]) == 1.0
 
 
@@ -94,7 +99,11 @@ def test_bytes_per_round_are_exact(rotated):
     selected = np.arange(rotated.n_clients)
     alg.run_round(state, 1, selected)
     # Every client gets its cluster model and uploads one update: d float32 each way.
-    assert alg.ctx.comm.down == alg.ctx.comm.up == len(selected) * alg.ctx.dim * FLOAT_BYTES
+    assert (
+        alg.ctx.channel.traffic.down
+        == alg.ctx.channel.traffic.up
+        == len(selected) * alg.ctx.dim * FLOAT_BYTES
+    )
 
 
 @pytest.mark.parametrize("variant", DCFL_VARIANTS)

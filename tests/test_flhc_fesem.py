@@ -7,14 +7,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Comm
+from fedcluster.algorithms.channel import Traffic
 from fedcluster.algorithms.fesem import FeSEM, kmeanspp_seeds
 from fedcluster.algorithms.flhc import FLHC
 from fedcluster.clustering.validity import ari, purity
 from fedcluster.data.federation import Federation
 from fedcluster.engine.flat import weighted_average
 from fedcluster.errors import ConfigError
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 from tests.test_cflgt import MLP, label_set_federation
 
 LABEL_SETS = [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]
@@ -62,23 +62,26 @@ def test_flhc_schedule_bytes_and_determinism(disjoint):
         state = alg.init_state()
         alg.run_round(state, 1, np.arange(0, N, 2))
         pretrained = state["global"].clone()
-        ctx.comm = Comm()
+        ctx.channel.traffic = Traffic()
         loss = alg.run_round(state, 2, np.array([0]))  # every client trains and uploads
         assert np.isfinite(loss)
-        assert ctx.comm.down == N * d * FLOAT_BYTES and ctx.comm.up == N * d * FLOAT_BYTES
+        assert (
+            ctx.channel.traffic.down == N * d * FLOAT_BYTES
+            and ctx.channel.traffic.up == N * d * FLOAT_BYTES
+        )
         assert torch.equal(state["models"], pretrained.expand(4, -1))
         selected = np.array([0, 1, 4, 5, 6])  # the runner's selection: groups 0, 1, 0, 1, 2
-        ctx.comm = Comm()
+        ctx.channel.traffic = Traffic()
         alg.run_round(state, 3, selected)
-        assert ctx.comm.down == 5 * d * FLOAT_BYTES
-        assert ctx.comm.up == 5 * (d * FLOAT_BYTES + INT_BYTES)
+        assert ctx.channel.traffic.down == 5 * d * FLOAT_BYTES
+        assert ctx.channel.traffic.up == 5 * (d * FLOAT_BYTES + INT_BYTES)
         labels = alg.clusters(state)
         for k in range(4):
             members = selected[labels[selected] == k]
             if len(members) == 0:  # group 3's cluster had no participant
                 assert torch.equal(state["models"][k], pretrained)
                 continue
-            local = ctx.sim.train(members, pretrained, ctx.train, 3).rows
+            local = ctx.channel.backend.train(members, pretrained, ctx.train, 3).rows
             expected = weighted_average(local, torch.as_tensor(disjoint.train_sizes[members]))
             assert torch.allclose(state["models"][k], expected, atol=1e-6)
         results.append(state)
@@ -107,9 +110,9 @@ def test_fesem_recovers_the_groups_in_few_rounds(disjoint):
     rng = np.random.default_rng(0)
     for rnd in range(1, 4):
         selected = np.sort(rng.choice(N, N // 2, replace=False))
-        ctx.comm = Comm()
+        ctx.channel.traffic = Traffic()
         alg.run_round(state, rnd, selected)
-        assert ctx.comm.down == ctx.comm.up == 8 * ctx.dim * FLOAT_BYTES
+        assert ctx.channel.traffic.down == ctx.channel.traffic.up == 8 * ctx.dim * FLOAT_BYTES
     assign = alg.clusters(state)
     seen = assign >= 0
     assert seen.sum() >= 12 and purity(disjoint.groups[seen], assign[seen]) >= 0.9
@@ -125,11 +128,11 @@ def test_fesem_e_and_m_steps(disjoint):
     alg.run_round(state, 1, np.arange(0, N, 2))
     centres, assign = state["centres"].clone(), state["assign"].copy()
     selected = np.arange(N)  # half of them have no cluster yet: they start from the mean centre
-    ctx.comm = Comm()
+    ctx.channel.traffic = Traffic()
     alg.run_round(state, 2, selected)
-    assert ctx.comm.up == N * (ctx.dim * FLOAT_BYTES + INT_BYTES)
+    assert ctx.channel.traffic.up == N * (ctx.dim * FLOAT_BYTES + INT_BYTES)
     start = torch.where(torch.as_tensor(assign >= 0)[:, None], centres[assign], centres.mean(0))
-    local = ctx.sim.train(selected, start, ctx.train, 2).rows
+    local = ctx.channel.backend.train(selected, start, ctx.train, 2).rows
     nearest = torch.cdist(local.double(), centres.double()).argmin(dim=1).numpy()
     assert np.array_equal(state["assign"], nearest)
     for k in range(4):

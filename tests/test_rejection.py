@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import fedcluster.algorithms.cflgt as cflgt_module
 from fedcluster.algorithms import ALGORITHMS
-from fedcluster.algorithms.base import Algorithm, State, UpdateBound
-from fedcluster.engine.simulator import Simulator
+from fedcluster.algorithms.base import Algorithm, State
+from fedcluster.algorithms.channel import UpdateBound
 from tests.helpers import make_context, rotated_digits
 
 N_CLIENTS = 8
@@ -67,8 +68,8 @@ class Corruptor:
 
 
 def corrupt(ctx, monkeypatch) -> Corruptor:
-    corruptor = Corruptor(ctx.sim.train)
-    monkeypatch.setattr(ctx.sim, "train", corruptor)
+    corruptor = Corruptor(ctx.channel.backend.train)
+    monkeypatch.setattr(ctx.channel.backend, "train", corruptor)
     return corruptor
 
 
@@ -147,7 +148,7 @@ def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
     ctx = make_context(federation, **MLP)
     alg = cls(cls.Params(pretrain_rounds=1, cluster_fraction=None), ctx)
     bad: list[int] = []
-    compute = Simulator.gradient_trajectories
+    compute = cflgt_module.gradient_trajectories
 
     def trajectories(sim, clients, row, normalise=True):
         traj = compute(sim, clients, row, normalise)
@@ -155,7 +156,7 @@ def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
         traj[bad[1:], :, 1] = float("inf")
         return traj
 
-    monkeypatch.setattr(Simulator, "gradient_trajectories", trajectories)
+    monkeypatch.setattr(cflgt_module, "gradient_trajectories", trajectories)
     state = alg.init_state()
     everyone = np.arange(N_CLIENTS)
     alg.run_round(state, 1, everyone)
@@ -243,8 +244,8 @@ def test_finite_and_norm_checks_are_exact_at_float32_extremes(federation):
             [1e20, 1e20, 0.0],  # finite; float32 squares overflow
         ]
     )
-    finite = ctx.accept_finite(clients, huge, rnd=1, what="update")
+    finite = ctx.channel.accept_finite(clients, huge, rnd=1, what="update")
     assert finite.tolist() == [True, False, False, True]
-    ctx.bound = UpdateBound(norm_factor=None, max_norm=1e21)
-    kept = ctx.accept_bounded(clients, huge, finite, rnd=1)
+    ctx.channel.bound = UpdateBound(norm_factor=None, max_norm=1e21)
+    kept = ctx.channel.accept_bounded(clients, huge, finite, rnd=1)
     assert kept.tolist() == [False, False, False, True]  # ‖row 3‖ = 1.41e20 ≤ 1e21 < ‖row 0‖

@@ -126,7 +126,6 @@ class CFL(Algorithm):
         if not len(selected):
             return float("nan")
         start = state["models"][labels]
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
         ex = ctx.exchange(selected, start, rnd, ints=1)  # update and sample count
         if not len(ex.clients):
             return float("nan")
@@ -187,7 +186,6 @@ class CFL(Algorithm):
             return
         ctx = self.ctx
         root = state["root"]
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, root, rnd, purpose="newcomer")
         if not len(ex.clients):
             return

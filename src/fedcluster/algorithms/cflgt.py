@@ -78,7 +78,7 @@ clusters once as well).
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -96,7 +96,52 @@ from fedcluster.algorithms.fedavg import FedAvg
 from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
+from fedcluster.dp import release_vectors
+from fedcluster.engine.computation import (
+    ClientComputation,
+    Payload,
+    ReplyField,
+    Request,
+    register_computation,
+)
+from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.rng import numpy_rng
+
+if TYPE_CHECKING:
+    from fedcluster.engine.simulator import Simulator
+
+
+def _trajectory(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    row, normalise = request.shared["model"], bool(request.settings["normalise"])
+    return {"trajectory": gradient_trajectories(sim, clients, row, normalise)}
+
+
+def _classes(request: Request) -> tuple[int, ...]:
+    return (int(request.settings["n_classes"]), 2)
+
+
+def _release_trajectory(
+    request: Request, reply: Payload, clients: np.ndarray, seed: int
+) -> Payload:
+    """Client-level local DP of the 2·C floats (:func:`fedcluster.dp.release_vectors`)."""
+    assert request.own_settings is not None
+    tickets = [s["ticket"] for s in request.own_settings]
+    rnd = int(request.settings["round"])
+    traj = release_vectors(tickets, clients, reply["trajectory"], seed, rnd, "trajectory")
+    return {"trajectory": traj}
+
+
+TRAJECTORY = register_computation(
+    ClientComputation(
+        name="cflgt-trajectory",
+        reply={"trajectory": ReplyField(_classes)},
+        batched_run=_trajectory,
+        privacy="release",
+        release=_release_trajectory,
+    )
+)
+"""CFLGT's client computation (Sec. III, eqs. 6-8): the client's gradient trajectory
+[C, 2] under the received model, from one forward pass over its training data."""
 
 
 class OneShotParams(AlgorithmParams):
@@ -239,17 +284,17 @@ class CFLGT(OneShotClustering):
     ) -> tuple[np.ndarray, torch.Tensor]:
         """Clients receive h_g and upload their trajectories (eqs. 6-8): accepted ids and [m, C, 2].
 
-        Costs each client h_g down and 2·C floats up (if it replies).
+        Costs each client h_g down and 2·C floats up (if it replies); under
+        client-level local DP the trajectory is released like any upload.
         """
-        ctx = self.ctx
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
-        clients = clients[ctx.respond(clients, rnd)]
-        if not len(clients):
-            return clients, torch.empty(0)
-        traj = ctx.sim.gradient_trajectories(clients, state["global"], self.params.normalise)
-        ctx.comm.upload(len(clients), floats=traj[0].numel())
-        keep = ctx.accept_finite(clients, traj, rnd, "trajectory")
-        return clients[keep], traj[torch.as_tensor(keep)]
+        settings = {
+            "normalise": self.params.normalise,
+            "n_classes": self.ctx.federation.n_classes,
+            "round": rnd,
+        }
+        request = Request(shared={"model": state["global"]}, settings=settings)
+        replies = self.ctx.ask(TRAJECTORY, clients, request, rnd)
+        return replies.clients, replies["trajectory"]
 
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
         ctx = self.ctx

@@ -26,6 +26,7 @@ not counted; it is offered to reproduce the papers' baselines.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -34,6 +35,9 @@ from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log, weighted_loss
+from fedcluster.algorithms.channel import Replies
+from fedcluster.engine.client_computations import LOSSES
+from fedcluster.engine.computation import Request
 from fedcluster.rng import numpy_rng
 
 
@@ -53,6 +57,14 @@ class ClusterModelParams(AlgorithmParams):
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="per-cluster average: uniform (JGL eq. 7) or by sample count"
     )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The clients that chose (those that answered the decision query) and their clusters."""
+
+    clients: np.ndarray
+    clusters: np.ndarray
 
 
 def argmax_random_ties(score: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
@@ -90,7 +102,7 @@ class ClusterModelAlgorithm(Algorithm):
         for attempt in range(p.max_redraws):
             if attempt:
                 models = ctx.fresh_rows(p.n_clusters, f"cluster-init/{attempt}")
-            loss, _ = ctx.sim.losses_and_grads(clients, models, ctx.train, 0, "init", False)
+            loss = self.model_losses(models, clients, 0, "init", measurement=True)["losses"]
             counts = np.bincount(loss.argmin(dim=1).numpy(), minlength=p.n_clusters)
             if counts.min() >= need:
                 return models
@@ -102,15 +114,39 @@ class ClusterModelAlgorithm(Algorithm):
         )
         return models
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
-        """Cluster choice of each selected client (a client computation)."""
+    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
+        """Cluster choice of the selected clients that answered the decision query."""
         raise NotImplementedError
+
+    def model_losses(
+        self,
+        models: torch.Tensor,
+        clients: np.ndarray,
+        rnd: int,
+        purpose: str,
+        batches: str = "one",
+        measurement: bool = False,
+    ) -> Replies:
+        """The decision query: each client's loss of the K ``models`` [n, K]
+        (:data:`~fedcluster.engine.client_computations.LOSSES`)."""
+        request = Request(
+            shared={"models": models},
+            settings={
+                "train": self.ctx.train,
+                "round": rnd,
+                "purpose": purpose,
+                "batches": batches,
+            },
+        )
+        return self.ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        ctx.comm.broadcast(len(selected), floats=self.broadcast_floats())
-        choice = self.choose(state, rnd, selected)
-        ex = ctx.exchange(selected, state["models"][choice], rnd, ints=self.upload_ints())
+        chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
+        choice = chosen.clusters
+        ex = ctx.exchange(
+            chosen.clients, state["models"][choice], rnd, ints=self.upload_ints(), held=True
+        )
         if not len(ex.clients):
             return float("nan")
         choice = choice[ex.keep]
@@ -122,10 +158,6 @@ class ClusterModelAlgorithm(Algorithm):
         state["assign"][ex.clients] = choice
         return weighted_loss(ex.loss, sizes)
 
-    def broadcast_floats(self) -> int:
-        """Floats the server sends each selected client per round."""
-        return self.params.n_clusters * self.ctx.dim
-
     def upload_ints(self) -> int:
         """Integers each client uploads besides its model (cluster id, sample count)."""
         return 2 if self.params.weighting == "samples" else 1
@@ -136,10 +168,8 @@ class ClusterModelAlgorithm(Algorithm):
         if len(unknown):
             # Never-selected clients pick the model with the lowest loss, as IFCA does
             # (clients not present keep −1: nobody evaluates them).
-            loss, _ = self.ctx.sim.losses_and_grads(
-                unknown, state["models"], self.ctx.train, 0, "eval-choice", False
-            )
-            assign[unknown] = loss.argmin(dim=1).numpy()
+            loss = self.model_losses(state["models"], unknown, 0, "eval-choice", measurement=True)
+            assign[loss.clients] = loss["losses"].argmin(dim=1).numpy()
         return state["models"], assign
 
     def clusters(self, state: State) -> np.ndarray:

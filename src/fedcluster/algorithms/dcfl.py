@@ -110,7 +110,6 @@ class DCFL(Algorithm):
             selected = selected[assign[selected] >= 0]  # rejected newcomers sit the round out
         labels = assign[selected]
         start = state["models"][labels]
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
         ex = ctx.exchange(selected, start, rnd)
         if not len(ex.clients):
             return float("nan")
@@ -167,7 +166,6 @@ class DCFL(Algorithm):
         clients = np.atleast_1d(np.asarray(client, dtype=np.int64))
         models = state["models"]
         w_g = models.mean(dim=0)
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, w_g, rnd, purpose="newcomer")
         if len(ex.clients):
             dist = dcfl_distance_to(

@@ -31,6 +31,8 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.engine.client_computations import TRAIN
+from fedcluster.engine.computation import Request
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.results import EvalResult
 
@@ -59,7 +61,6 @@ class FedAvg(Algorithm):
         Without an accepted update the global model stays as it was.
         """
         ctx = self.ctx
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
         ex = ctx.exchange(selected, state["global"], rnd, ctx.local(mu=self.params.mu), ints=1)
         if len(ex.clients):
             sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
@@ -100,7 +101,9 @@ class FedAvgFT(FedAvg):
         p = self.params
         clients = np.flatnonzero(ctx.present)
         cfg = ctx.local(epochs=p.ft_epochs, steps=None, lr=p.ft_lr or ctx.train.lr, mu=0.0)
-        tuned = ctx.sim.train(
-            clients, state["global"], cfg, rnd, purpose="finetune", classifier_only=True
+        request = Request(
+            shared={"start": state["global"]},
+            settings={"train": cfg, "round": rnd, "purpose": "finetune", "classifier_only": True},
         )
-        return ctx.sim.evaluate(clients, tuned.rows, np.arange(len(clients)))
+        tuned = ctx.ask(TRAIN, clients, request, rnd, measurement=True)
+        return ctx.evaluate(tuned.clients, tuned["row"], np.arange(len(tuned.clients)), rnd)

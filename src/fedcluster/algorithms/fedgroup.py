@@ -153,7 +153,6 @@ class FedGroup(Algorithm):
             state["assign"][cold] = self.client_cold_start(state, cold, rnd)
             selected = selected[state["assign"][selected] >= 0]  # rejected cold clients sit out
         groups = state["assign"][selected]
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
         ex = ctx.exchange(  # model and sample count
             selected, state["models"][groups], rnd, ctx.local(mu=self.params.mu), ints=1
         )
@@ -173,7 +172,6 @@ class FedGroup(Algorithm):
         """
         ctx = self.ctx
         cfg = ctx.local(epochs=self.params.pretrain_epochs, steps=None, mu=0.0)
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, ctx.init_row, 0, cfg, purpose=PRETRAIN_PURPOSE)
         return replace(ex, rows=ex.rows - ctx.init_row)
 

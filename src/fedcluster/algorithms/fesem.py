@@ -123,7 +123,6 @@ class FeSEM(Algorithm):
                 f"in the first round, got {len(selected)}"
             )
         rows, owner = eval_rows_with_average(state["centres"], state["assign"])
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
         ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
         selected, local, m = ex.clients, ex.rows, len(ex.clients)
         sizes = ctx.train_sizes[selected]

@@ -79,7 +79,6 @@ class FLHC(OneShotClustering):
                 f"flhc.n_clusters: {p.n_clusters} clusters for only {ctx.n_clients} clients"
             )
         clients = ctx.available_clients()
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, state["global"], rnd)
         loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
         labels = np.full(ctx.n_clients, -1, dtype=np.int64)
@@ -107,7 +106,6 @@ class FLHC(OneShotClustering):
         """Nearest mean clustering-round update (:mod:`fedcluster.algorithms.cflgt`)."""
         ctx = self.ctx
         labels = np.full(len(clients), -1, dtype=np.int64)
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, state["global"], rnd, purpose="newcomer")
         if len(ex.clients):
             updates = (ex.rows - state["global"]).double()
