@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from fedcluster.cli import main
 from fedcluster.algorithms import check_algorithms
+from fedcluster.cli import main
 from fedcluster.config import apply_set, list_presets, resolve_config, validate_config
 from fedcluster.errors import ConfigError
 

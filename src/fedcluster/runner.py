@@ -69,6 +69,12 @@ def load_partitioned(config: ExperimentConfig, seed: int) -> tuple[Dataset, Part
     return dataset, partition
 
 
+def model_for(config: ExperimentConfig, federation: FederationView) -> nn.Module:
+    """The config's model for the federation's data shape and classes."""
+    m = config.model
+    return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
+
+
 def select_clients(
     n_clients: int,
     config: ExperimentConfig,
@@ -136,8 +142,7 @@ class Experiment:
     def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
             return self._model
-        m = self.config.model
-        return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
+        return model_for(self.config, federation)
 
     def run(
         self,

@@ -194,9 +194,8 @@ class Channel:
                 sub = self._with_tickets(computation, sub, asked)
             returned = self.backend.run(computation, asked, sub)
             answered = self._answered(computation, asked, returned, rnd)
-            traffic.up += (computation.bytes_up(sub) + INT_BYTES * metadata_ints) * int(
-                answered.sum()
-            )
+            per_reply = computation.bytes_up(sub) + INT_BYTES * metadata_ints
+            traffic.up += per_reply * int(answered.sum()) + returned.malformed_bytes
             accepted = self._accept(
                 computation, asked[answered], sub, returned, rnd, releases, measurement
             )

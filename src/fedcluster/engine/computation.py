@@ -65,7 +65,8 @@ class Request:
     def client(self, i: int) -> Request:
         """Client ``i``'s self-contained part: its own rows (leading dimension 1),
         its picked rows, the shared tensors not picked from, and its settings."""
-        own = {k: v[i : i + 1] for k, v in self.own.items()}
+        indexes = {index for _, index in self.pick.values()}
+        own = {k: v[i : i + 1] for k, v in self.own.items() if k not in indexes}
         for name, (source, index) in self.pick.items():
             own[name] = self.shared[source][int(self.own[index][i])].unsqueeze(0)
         sources = {source for source, _ in self.pick.values()}
@@ -87,9 +88,11 @@ class Request:
     def bytes_down(self) -> int:
         """Bytes each client receives: its tensors that it does not already hold."""
         sources = {source for source, _ in self.pick.values()}
+        indexes = {index for _, index in self.pick.values()}  # the server's, not sent
         sent = {k: v for k, v in self.shared.items() if k not in sources}
         total = sum(_nbytes(v) for k, v in sent.items() if k not in self.held)
-        rows = sum(_nbytes(v[0]) for k, v in self.own.items() if k not in self.held and len(v))
+        own = {k: v for k, v in self.own.items() if k not in self.held and k not in indexes}
+        rows = sum(_nbytes(v[0]) for v in own.values() if len(v))
         picked = sum(_nbytes(self.shared[source][0]) for source, _ in self.pick.values())
         return total + rows + picked
 
@@ -251,6 +254,8 @@ class Returned:
     ok: np.ndarray
     failed: dict[int, str] = field(default_factory=dict)
     malformed: dict[int, str] = field(default_factory=dict)
+    malformed_bytes: int = 0
+    """What the malformed replies' upload fields weighed (they were sent all the same)."""
 
 
 def assemble(
@@ -265,6 +270,7 @@ def assemble(
     ok = np.zeros(len(replies), dtype=bool)
     failed: dict[int, str] = {}
     malformed: dict[int, str] = {}
+    malformed_bytes = 0
     good: list[Payload] = []
     for i, reply in enumerate(replies):
         if reply is None or isinstance(reply, str):
@@ -273,6 +279,11 @@ def assemble(
         problem = _reply_problem(computation, request.client(i), reply)
         if problem:
             malformed[i] = problem
+            malformed_bytes += sum(
+                _nbytes(torch.as_tensor(reply[k]))
+                for k, f in computation.reply.items()
+                if f.counted and k in reply
+            )
             continue
         ok[i] = True
         good.append(reply)
@@ -282,7 +293,7 @@ def assemble(
         else torch.empty((0, *f.shape_for(request)), dtype=f.dtype)
         for k, f in computation.reply.items()
     }
-    return Returned(fields, ok, failed, malformed)
+    return Returned(fields, ok, failed, malformed, malformed_bytes)
 
 
 def _reply_problem(computation: ClientComputation, request: Request, reply: Payload) -> str:

@@ -30,7 +30,7 @@ from fedcluster.config import validate_config
 from fedcluster.engine.computation import lookup_computation
 from fedcluster.engine.simulator import Simulator
 from fedcluster.flower import protocol
-from fedcluster.runner import Experiment
+from fedcluster.runner import build_federation_for, model_for
 
 client_app = ClientApp()
 
@@ -39,15 +39,15 @@ client_app = ClientApp()
 def _client(experiment: str, seed: int, client: int) -> Simulator:
     """The simulator of one client's own data (cached per process)."""
     config = validate_config(yaml.safe_load(experiment))
-    exp = Experiment(config)
-    federation = exp.federation(seed)
+    federation = build_federation_for(config, seed)
     if not 0 <= client < federation.n_clients:
         raise ValueError(
             f"node partition-id {client}: the experiment has {federation.n_clients} clients"
         )
     own = federation.subset([client])
     # one thread per node: the nodes of a simulation share the machine
-    return Simulator(exp.model(own), own, seed=seed, threads=1, client_ids=np.array([client]))
+    model = model_for(config, own)
+    return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
 
 
 def _node(msg: Message, context: Context) -> tuple[Simulator, ConfigRecord]:
