@@ -18,11 +18,11 @@ def test_fedavg_round_is_sample_weighted_average_of_local_models():
     alg = FedAvg(FedAvg.Params(), ctx)
     state = alg.init_state()
     selected = np.array([0, 2, 3])
-    start = state["global"].clone()
+    start = state.global_model.clone()
     alg.run_round(state, 1, selected)
     local = ctx.channel.backend.train(selected, start, ctx.train, 1).rows
     expected = weighted_average(local, torch.as_tensor(fed.train_sizes[selected]))
-    assert torch.allclose(state["global"], expected)
+    assert torch.allclose(state.global_model, expected)
     d = ctx.dim
     assert ctx.channel.traffic.down == 3 * d * FLOAT_BYTES
     assert ctx.channel.traffic.up == 3 * (d * FLOAT_BYTES + INT_BYTES)
@@ -57,7 +57,7 @@ def test_fedprox_pulls_towards_the_global_model():
             np.arange(8), start, ctx.local(mu=params.mu, epochs=3), 1
         ).rows
         drift[name] = (rows - start).norm(dim=1).mean().item()
-        assert alg_cls(params, ctx).init_state()["global"].shape == start.shape
+        assert alg_cls(params, ctx).init_state().global_model.shape == start.shape
     assert drift["fedprox"] < drift["fedavg"]
 
 

@@ -118,7 +118,7 @@ def test_ifca_good_initializer_balances_initial_choice():
     alg = IFCA(IFCA.Params(n_clusters=4, min_cluster_share=0.15), ctx)
     state = alg.init_state()
     loss, _ = ctx.channel.backend.losses_and_grads(
-        np.arange(16), state["models"], ctx.train, 0, "init", False
+        np.arange(16), state.models, ctx.train, 0, "init", False
     )
     counts = np.bincount(loss.argmin(1).numpy(), minlength=4)
     assert counts.min() >= 3

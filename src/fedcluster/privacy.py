@@ -202,7 +202,7 @@ class LocalDP:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue the accounting (σ etc. are recomputed)."""
-        return {"steps": self.steps.copy(), "releases": self.releases.copy()}
+        return {"steps": self.steps.tolist(), "releases": self.releases.tolist()}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state is None:

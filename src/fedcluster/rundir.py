@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.config import ExperimentConfig, dump_config
+from fedcluster.errors import FedclusterError
 from fedcluster.metrics import COLUMNS, format_row
 from fedcluster.report import format_table, summary_rows
 
@@ -136,10 +137,57 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_torch_save(obj: object, path: Path) -> None:
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint layout (1: pickled state, before it was made safe)."""
+
+
+@dataclass
+class Checkpoint:
+    """What a job's checkpoint holds: the round it ends, the server state's record
+    (:meth:`~fedcluster.algorithms.base.State.to_record`), the metrics rows so far,
+    the wall time and the local-DP ledger."""
+
+    round: int
+    state: dict[str, Any]
+    rows: list[dict[str, Any]]
+    wall_seconds: float
+    privacy: dict[str, Any] | None
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    """Write atomically: tensors through torch's format, everything else as JSON text."""
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "round": checkpoint.round,
+        "rows": checkpoint.rows,
+        "wall_seconds": checkpoint.wall_seconds,
+        "privacy": checkpoint.privacy,
+    }
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    torch.save({"meta": json.dumps(meta), "state": checkpoint.state}, tmp)
     os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint without running any code from it (``weights_only=True``);
+    a damaged, foreign or other-version file is a :class:`FedclusterError` naming it."""
+    try:
+        raw = torch.load(path, weights_only=True)
+        meta = json.loads(raw["meta"])
+    except Exception as exc:  # torch raises many kinds on a damaged or crafted file
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FedclusterError(
+            f"checkpoint {path} cannot be read safely ({reason[:200]}); "
+            "delete it to restart that job from round 1"
+        ) from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise FedclusterError(
+            f"checkpoint {path} has format {meta.get('format')}, this fedcluster reads "
+            f"format {CHECKPOINT_FORMAT}; rerun the job or use the fedcluster that wrote it"
+        )
+    return Checkpoint(
+        meta["round"], raw["state"], meta["rows"], meta["wall_seconds"], meta["privacy"]
+    )
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -223,16 +271,19 @@ class Checkpointer(Callback):
         if rnd % self.every and rnd != self.last:
             return
         started = self._started[(job.label, job.seed)]
-        _atomic_torch_save(
-            {
-                "round": rnd,
-                "state": state,
-                "rows": job.rows,
-                "wall_seconds": time.perf_counter() - started,
-                "privacy": None if job.privacy is None else job.privacy.state_dict(),
-            },
-            self.rundir.checkpoint_path(job.label, job.seed),
+        checkpoint = Checkpoint(
+            round=rnd,
+            state=state.to_record(),
+            rows=[_plain(row) for row in job.rows],
+            wall_seconds=time.perf_counter() - started,
+            privacy=None if job.privacy is None else job.privacy.state_dict(),
         )
+        save_checkpoint(self.rundir.checkpoint_path(job.label, job.seed), checkpoint)
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row with plain Python numbers (JSON)."""
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()}
 
 
 class ProgressBar(Callback):

@@ -40,12 +40,12 @@ from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
-from fedcluster.errors import ConfigError
+from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.metrics import accuracy_columns, cluster_columns
 from fedcluster.models import build_model
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rng import numpy_rng
-from fedcluster.rundir import JobResult, RunDirectory, run_directory_callbacks
+from fedcluster.rundir import JobResult, RunDirectory, load_checkpoint, run_directory_callbacks
 from fedcluster.scenario import Scenario
 
 
@@ -272,14 +272,20 @@ class Job:
         if not path.exists():
             rundir.truncate_job(info.label, info.seed, 0)
             return None
-        ckpt = torch.load(path, weights_only=False)
-        info.first_round = ckpt["round"] + 1
-        info.rows = ckpt["rows"]
-        info.wall_offset = ckpt["wall_seconds"]
-        rundir.truncate_job(info.label, info.seed, ckpt["round"])
+        ckpt = load_checkpoint(path)
+        try:
+            state = self.algorithm.StateType.from_record(ckpt.state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FedclusterError(
+                f"checkpoint {path} does not hold a {info.label} state: {exc}"
+            ) from None
+        info.first_round = ckpt.round + 1
+        info.rows = ckpt.rows
+        info.wall_offset = ckpt.wall_seconds
+        rundir.truncate_job(info.label, info.seed, ckpt.round)
         if self.privacy is not None:
-            self.privacy.load_state_dict(ckpt.get("privacy"))
-        return ckpt["state"]
+            self.privacy.load_state_dict(ckpt.privacy)
+        return state
 
     def _round(self, state: State, rnd: int) -> dict[str, object]:
         """Run and measure round ``rnd``; the round's records go to ``self.info``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,12 @@ LABEL_MEAN = register_computation(
 )
 
 
+@dataclass
+class LabelSplitState(State):
+    models: torch.Tensor
+    assign: np.ndarray
+
+
 class LabelSplitParams(AlgorithmParams):
     rounds_between_splits: int = Field(100, ge=1)
 
@@ -61,28 +68,29 @@ class LabelSplit(Algorithm):
 
     name = "test-label-split"
     Params = LabelSplitParams
+    StateType = LabelSplitState
 
-    def init_state(self) -> State:
-        return {
-            "models": self.ctx.init_row.unsqueeze(0).repeat(2, 1),
-            "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
-        }
+    def init_state(self) -> LabelSplitState:
+        return LabelSplitState(
+            models=self.ctx.init_row.unsqueeze(0).repeat(2, 1),
+            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
+        )
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        if (state["assign"] < 0).all():
+        if (state.assign < 0).all():
             replies = ctx.ask(LABEL_MEAN, ctx.available_clients(), Request(), rnd)
             means = replies["mean"].numpy()
-            state["assign"][replies.clients] = (means > np.median(means)).astype(np.int64)
+            state.assign[replies.clients] = (means > np.median(means)).astype(np.int64)
         losses, sizes = [], []
         for c in range(2):
-            members = selected[state["assign"][selected] == c]
+            members = selected[state.assign[selected] == c]
             if not len(members):
                 continue
-            ex = ctx.exchange(members, state["models"][c], rnd, ints=1)
+            ex = ctx.exchange(members, state.models[c], rnd, ints=1)
             if len(ex.clients):
                 weights = torch.as_tensor(ctx.train_sizes[ex.clients])
-                state["models"][c] = weighted_average(ex.rows, weights)
+                state.models[c] = weighted_average(ex.rows, weights)
                 losses.append(ex.loss)
                 sizes.append(ctx.train_sizes[ex.clients])
         if not losses:
@@ -90,10 +98,10 @@ class LabelSplit(Algorithm):
         return weighted_loss(torch.cat(losses), np.concatenate(sizes))
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return state["models"], np.maximum(state["assign"], 0)
+        return state.models, np.maximum(state.assign, 0)
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()
 
 
 CONFIG = {

@@ -42,7 +42,48 @@ from fedcluster.errors import ConfigError
 if TYPE_CHECKING:
     from fedcluster.privacy import LocalDP
 
-State = dict[str, Any]
+
+@dataclass
+class State:
+    """An algorithm's server state: a dataclass of tensors, arrays, numbers and lists of them.
+
+    Each algorithm declares its own subclass (e.g. ``FedAvgState``). A checkpoint
+    stores :meth:`to_record`, which holds only tensors, numbers, strings, None,
+    lists and dicts -- what ``torch.load(weights_only=True)`` reads without running
+    any code -- and :meth:`from_record` rebuilds the state exactly, so a resumed
+    run continues with the same numbers.
+    """
+
+    def to_record(self) -> dict[str, Any]:
+        fields = {k: _encode(v) for k, v in vars(self).items()}
+        return {"type": type(self).__name__, "fields": fields}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> State:
+        if record.get("type") != cls.__name__:
+            raise ValueError(f"checkpoint holds a {record.get('type')}, expected a {cls.__name__}")
+        return cls(**{k: _decode(v) for k, v in record["fields"].items()})
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {"ndarray": torch.from_numpy(np.ascontiguousarray(value).copy())}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, torch.Tensor | int | float | bool | str):
+        return value
+    raise TypeError(f"server state values are tensors, arrays and numbers, not {type(value)}")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"ndarray"}:
+        return value["ndarray"].numpy()
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
 
 log = logging.getLogger("fedcluster")
 
@@ -236,6 +277,8 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    StateType: ClassVar[type[State]] = State
+    """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
 
     def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
         self.params = params

@@ -75,19 +75,28 @@ def argmax_random_ties(score: torch.Tensor, rng: np.random.Generator) -> np.ndar
     return tie.argmax(axis=1)
 
 
+@dataclass
+class ClusterModelState(State):
+    models: torch.Tensor
+    """The K cluster models [K, d]."""
+    delta: torch.Tensor
+    """Each model's last update Δw_k [K, d] (JGL eq. 2)."""
+    assign: np.ndarray
+    """Each client's last cluster (−1: never chose)."""
+
+
 class ClusterModelAlgorithm(Algorithm):
     """Base class: K cluster models, client-side choice, per-cluster averaging."""
 
     Params = ClusterModelParams
+    StateType = ClusterModelState
 
-    def init_state(self) -> State:
+    def init_state(self) -> ClusterModelState:
         k = self.params.n_clusters
         n = self.ctx.n_clients
-        return {
-            "models": self._initial_models(),
-            "delta": torch.zeros(k, self.ctx.dim),
-            "assign": np.full(n, -1, dtype=np.int64),
-        }
+        return ClusterModelState(
+            self._initial_models(), torch.zeros(k, self.ctx.dim), np.full(n, -1, dtype=np.int64)
+        )
 
     def _initial_models(self) -> torch.Tensor:
         p = self.params
@@ -145,17 +154,17 @@ class ClusterModelAlgorithm(Algorithm):
         chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
         choice = chosen.clusters
         ex = ctx.exchange(
-            chosen.clients, state["models"][choice], rnd, ints=self.upload_ints(), held=True
+            chosen.clients, state.models[choice], rnd, ints=self.upload_ints(), held=True
         )
         if not len(ex.clients):
             return float("nan")
         choice = choice[ex.keep]
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
-        new = cluster_average(ex.rows, choice, state["models"], weights)
-        state["delta"] = new - state["models"]
-        state["models"] = new
-        state["assign"][ex.clients] = choice
+        new = cluster_average(ex.rows, choice, state.models, weights)
+        state.delta = new - state.models
+        state.models = new
+        state.assign[ex.clients] = choice
         return weighted_loss(ex.loss, sizes)
 
     def upload_ints(self) -> int:
@@ -163,17 +172,17 @@ class ClusterModelAlgorithm(Algorithm):
         return 2 if self.params.weighting == "samples" else 1
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        assign = state["assign"].copy()
+        assign = state.assign.copy()
         unknown = np.flatnonzero((assign < 0) & self.ctx.present)
         if len(unknown):
             # Never-selected clients pick the model with the lowest loss, as IFCA does
             # (clients not present keep −1: nobody evaluates them).
-            loss = self.model_losses(state["models"], unknown, 0, "eval-choice", measurement=True)
+            loss = self.model_losses(state.models, unknown, 0, "eval-choice", measurement=True)
             assign[loss.clients] = loss["losses"].argmin(dim=1).numpy()
-        return state["models"], assign
+        return state.models, assign
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()
 
     def tie_rng(self, rnd: int) -> np.random.Generator:
         return numpy_rng(self.ctx.seed, f"{self.name}/ties", rnd)

@@ -42,7 +42,7 @@ class IFCA(ClusterModelAlgorithm):
 
     def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
         replies = self.model_losses(
-            state["models"], selected, rnd, "decide", self.params.choice_batches
+            state.models, selected, rnd, "decide", self.params.choice_batches
         )
         choice = argmax_random_ties(-replies["losses"], self.tie_rng(rnd))
         return Choice(replies.clients, choice)

@@ -147,9 +147,9 @@ class JGL(ClusterModelAlgorithm):
     def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
         p = self.params
         ctx = self.ctx
-        delta = state["delta"]
+        delta = state.delta
         request = Request(
-            shared={"models": state["models"], "directions": delta},
+            shared={"models": state.models, "directions": delta},
             settings={"train": ctx.train, "round": rnd, "purpose": "decide"},
         )
         replies = ctx.ask(GRADIENT_PRODUCTS, selected, request, rnd)

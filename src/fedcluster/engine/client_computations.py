@@ -59,9 +59,7 @@ def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
     return {"row": result.rows, "loss": result.loss, "steps": result.steps}
 
 
-def _release_training(
-    request: Request, reply: Payload, clients: np.ndarray, seed: int
-) -> Payload:
+def _release_training(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
     """Local DP of a trained model (:func:`fedcluster.dp.release_uploads`), where the client is."""
     assert request.own_settings is not None
     tickets = [s["ticket"] for s in request.own_settings]

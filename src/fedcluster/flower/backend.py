@@ -165,8 +165,7 @@ class FlowerBackend(ClientClock):
         with self.timed():
             answers = _collect(self.grid, messages, self.timeout)
         replies: list[Payload | str | None] = [
-            a if a is None or isinstance(a, str) else protocol.tensors(a.content)
-            for a in answers
+            a if a is None or isinstance(a, str) else protocol.tensors(a.content) for a in answers
         ]
         return assemble(computation, request, replies)
 
