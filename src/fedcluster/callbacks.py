@@ -19,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:
     from fedcluster.config import ExperimentConfig
     from fedcluster.privacy import LocalDP
-    from fedcluster.runner import JobResult
+    from fedcluster.rundir import Checkpoint, JobResult
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class JobInfo:
     privacy: LocalDP | None = None
     wall_offset: float = 0.0
     """Seconds the job had run before this process took it up (a resumed job)."""
+    restored: Checkpoint | None = None
+    """The checkpoint a resumed job continues from (None: it starts at round 1)."""
 
 
 class Callback:

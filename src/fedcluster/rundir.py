@@ -14,12 +14,14 @@ Checkpoints are written atomically every ``checkpoint_every`` rounds.
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,35 @@ class RunDirectory:
         self.events = self.path / "events.csv"
         self.checkpoints = self.path / "checkpoints"
         self.artifacts = self.path / "artifacts"
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run directory for one writer (``.lock``, an advisory ``flock``).
+
+        A second run or resume of the same directory gets a one-line error
+        naming the holder's pid. The lock dies with its process, so the lock
+        file a killed run leaves behind is simply taken over.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.path / ".lock"
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise FedclusterError(
+                    f"run directory {self.path} is in use by process {holder} "
+                    "(a run or resume of it); wait for it to end or choose another --out"
+                ) from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def create(self, config: ExperimentConfig) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -100,15 +131,56 @@ class RunDirectory:
             writer.writerows(rows)
         os.replace(tmp, path)
 
-    def truncate_job(self, label: str, seed: int, after_round: int) -> None:
-        """Drop rows of one job beyond ``after_round`` (rows a resumed job will write again)."""
+    def tables(self) -> list[tuple[Path, list[str]]]:
+        return [
+            (self.metrics, COLUMNS),
+            (self.clusters, CLUSTER_COLUMNS),
+            (self.diagnostics, DIAGNOSTIC_COLUMNS),
+            (self.events, EVENT_COLUMNS),
+        ]
 
-        def keep(r: dict[str, str]) -> bool:
-            mine = r["algorithm"] == label and int(r["seed"]) == seed
-            return not (mine and int(r["round"]) > after_round)
+    def rebuild_job(self, label: str, seed: int, lines: dict[Path, list[list[str]]]) -> list[str]:
+        """Replace one job's rows in every table by ``lines`` (what its checkpoint holds).
 
-        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
-            self._rewrite(path, keep)
+        The checkpoint is the source of truth: rows of the job that were edited,
+        cut or deleted come back as they were written, rows beyond the checkpoint
+        go (the resumed job writes them again), and a deleted table is recreated.
+        Other jobs' rows are kept; rows that cannot be read are dropped. Returns
+        the names of the tables whose rows of this job (or unreadable rows) changed.
+        """
+        changed = []
+        for path, header in self.tables():
+            kept, mine, dropped = self._rows_apart(path, header, label, seed)
+            new = lines.get(path, [])
+            if mine != new or dropped or not path.exists():
+                changed.append(path.name)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(header)
+                writer.writerows(kept + new)
+            os.replace(tmp, path)
+        return changed
+
+    @staticmethod
+    def _rows_apart(
+        path: Path, header: list[str], label: str, seed: int
+    ) -> tuple[list[list[str]], list[list[str]], int]:
+        """Other jobs' rows, this job's rows, and the number of unreadable rows of a table."""
+        if not path.exists():
+            return [], [], 0
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        kept, mine, dropped = [], [], 0
+        a, s, r = header.index("algorithm"), header.index("seed"), header.index("round")
+        for row in rows[1:] if rows and rows[0] == header else rows:
+            if len(row) != len(header) or not (row[s].isdigit() and row[r].isdigit()):
+                dropped += 1
+            elif row[a] == label and int(row[s]) == seed:
+                mine.append(row)
+            else:
+                kept.append(row)
+        return kept, mine, dropped
 
     def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
         """Put rows in job order, then round (resumed jobs append after later jobs' rows)."""
@@ -152,6 +224,36 @@ class Checkpoint:
     rows: list[dict[str, Any]]
     wall_seconds: float
     privacy: dict[str, Any] | None
+    events: list[list[Any]] = field(default_factory=list)
+    """``[round, client, kind, detail]`` of every round so far."""
+    diagnostics: list[list[Any]] = field(default_factory=list)
+    """``[round, name, value]`` of every round so far."""
+    cluster_rounds: list[int] = field(default_factory=list)
+    clusters: torch.Tensor | None = None
+    """Every client's cluster in each of ``cluster_rounds`` [R, n] (None: unclustered)."""
+
+    def lines(
+        self, rundir: RunDirectory, label: str, seed: int, groups: np.ndarray | None
+    ) -> dict[Path, list[list[str]]]:
+        """The job's rows of every table up to this checkpoint, as they were written."""
+        clusters: list[list[str]] = []
+        if self.clusters is not None:
+            for rnd, assign in zip(self.cluster_rounds, self.clusters.numpy(), strict=True):
+                clusters += cluster_lines(label, seed, rnd, assign, groups)
+        return {
+            rundir.metrics: [format_row(row) for row in self.rows],
+            rundir.clusters: clusters,
+            rundir.events: [
+                line
+                for rnd, c, kind, detail in self.events
+                for line in event_lines(label, seed, rnd, [(c, kind, detail)])
+            ],
+            rundir.diagnostics: [
+                line
+                for rnd, name, value in self.diagnostics
+                for line in diagnostic_lines(label, seed, rnd, {name: value})
+            ],
+        }
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
@@ -162,9 +264,13 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         "rows": checkpoint.rows,
         "wall_seconds": checkpoint.wall_seconds,
         "privacy": checkpoint.privacy,
+        "events": checkpoint.events,
+        "diagnostics": checkpoint.diagnostics,
+        "cluster_rounds": checkpoint.cluster_rounds,
     }
+    tensors = {"state": checkpoint.state, "clusters": checkpoint.clusters}
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"meta": json.dumps(meta), "state": checkpoint.state}, tmp)
+    torch.save({"meta": json.dumps(meta), **tensors}, tmp)
     os.replace(tmp, path)
 
 
@@ -186,7 +292,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
             f"format {CHECKPOINT_FORMAT}; rerun the job or use the fedcluster that wrote it"
         )
     return Checkpoint(
-        meta["round"], raw["state"], meta["rows"], meta["wall_seconds"], meta["privacy"]
+        meta["round"],
+        raw["state"],
+        meta["rows"],
+        meta["wall_seconds"],
+        meta["privacy"],
+        meta["events"],
+        meta["diagnostics"],
+        meta["cluster_rounds"],
+        raw["clusters"],
     )
 
 
@@ -200,6 +314,35 @@ def _atomic_torch_save(obj: object, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def cluster_lines(
+    label: str, seed: int, rnd: int, assign: np.ndarray, groups: np.ndarray | None
+) -> list[list[str]]:
+    """``clusters.csv`` rows of one round: every client's cluster and true group."""
+    return [
+        [
+            label,
+            str(seed),
+            str(rnd),
+            str(c),
+            str(int(assign[c])),
+            "" if groups is None else str(int(groups[c])),
+        ]
+        for c in range(len(assign))
+    ]
+
+
+def event_lines(
+    label: str, seed: int, rnd: int, events: list[tuple[int, str, str]]
+) -> list[list[str]]:
+    """``events.csv`` rows of one round."""
+    return [[label, str(seed), str(rnd), str(c), kind, detail] for c, kind, detail in events]
+
+
+def diagnostic_lines(label: str, seed: int, rnd: int, values: dict[str, float]) -> list[list[str]]:
+    """``diagnostics.csv`` rows of one round."""
+    return [[label, str(seed), str(rnd), k, repr(float(v))] for k, v in values.items()]
 
 
 class MetricsWriter(Callback):
@@ -220,8 +363,9 @@ class EventsWriter(Callback):
 
     def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
         if job.events:
-            rows = [[job.label, job.seed, rnd, *event] for event in job.events]
-            self.rundir.append(self.rundir.events, rows)
+            self.rundir.append(
+                self.rundir.events, event_lines(job.label, job.seed, rnd, job.events)
+            )
 
 
 class DiagnosticsWriter(Callback):
@@ -232,8 +376,7 @@ class DiagnosticsWriter(Callback):
 
     def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
         if job.diagnostics:
-            values = job.diagnostics.items()
-            rows = [[job.label, job.seed, rnd, k, repr(float(v))] for k, v in values]
+            rows = diagnostic_lines(job.label, job.seed, rnd, job.diagnostics)
             self.rundir.append(self.rundir.diagnostics, rows)
 
 
@@ -244,14 +387,9 @@ class ClustersWriter(Callback):
         self.rundir = rundir
 
     def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
-        assign, groups = job.clusters, job.groups
-        if assign is None:
-            return
-        rows = [
-            [job.label, job.seed, rnd, c, int(assign[c]), "" if groups is None else int(groups[c])]
-            for c in range(len(assign))
-        ]
-        self.rundir.append(self.rundir.clusters, rows)
+        if job.clusters is not None:
+            rows = cluster_lines(job.label, job.seed, rnd, job.clusters, job.groups)
+            self.rundir.append(self.rundir.clusters, rows)
 
 
 class Checkpointer(Callback):
@@ -263,19 +401,47 @@ class Checkpointer(Callback):
         self.every = every
         self.last = last
         self._started: dict[tuple[str, int], float] = {}
+        self._history: dict[tuple[str, int], Checkpoint] = {}
 
     def on_job_start(self, job: JobInfo) -> None:
-        self._started[(job.label, job.seed)] = time.perf_counter() - job.wall_offset
+        key = (job.label, job.seed)
+        self._started[key] = time.perf_counter() - job.wall_offset
+        restored = job.restored
+        self._history[key] = (
+            Checkpoint(0, {}, [], 0.0, None)
+            if restored is None
+            else Checkpoint(
+                0,
+                {},
+                [],
+                0.0,
+                None,
+                list(restored.events),
+                list(restored.diagnostics),
+                list(restored.cluster_rounds),
+                restored.clusters,
+            )
+        )
 
     def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        key = (job.label, job.seed)
+        history = self._history[key]
+        history.events += [[rnd, int(c), kind, detail] for c, kind, detail in job.events]
+        history.diagnostics += [[rnd, k, float(v)] for k, v in job.diagnostics.items()]
+        if job.clusters is not None:
+            assign = torch.as_tensor(np.asarray(job.clusters, dtype=np.int64)).unsqueeze(0)
+            history.cluster_rounds.append(rnd)
+            history.clusters = (
+                assign if history.clusters is None else torch.cat([history.clusters, assign])
+            )
         if rnd % self.every and rnd != self.last:
             return
-        started = self._started[(job.label, job.seed)]
-        checkpoint = Checkpoint(
+        checkpoint = replace(
+            history,
             round=rnd,
             state=state.to_record(),
             rows=[_plain(row) for row in job.rows],
-            wall_seconds=time.perf_counter() - started,
+            wall_seconds=time.perf_counter() - self._started[key],
             privacy=None if job.privacy is None else job.privacy.state_dict(),
         )
         save_checkpoint(self.rundir.checkpoint_path(job.label, job.seed), checkpoint)

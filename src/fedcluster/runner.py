@@ -18,6 +18,7 @@ to its checkpoint before continuing.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,8 @@ from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rng import numpy_rng
 from fedcluster.rundir import JobResult, RunDirectory, load_checkpoint, run_directory_callbacks
 from fedcluster.scenario import Scenario
+
+log = logging.getLogger("fedcluster")
 
 
 def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
@@ -156,8 +159,14 @@ class Experiment:
         With ``resume`` the directory's checkpoints are continued. ``stop_after_round``
         stops each job after that round (used to test resuming).
         """
-        cfg = self.config
         rundir = RunDirectory(out)
+        with rundir.lock():
+            return self._run(rundir, resume, progress, stop_after_round)
+
+    def _run(
+        self, rundir: RunDirectory, resume: bool, progress: bool, stop_after_round: int | None
+    ) -> list[JobResult]:
+        cfg = self.config
         if not resume:
             rundir.create(cfg)
         last = cfg.rounds if stop_after_round is None else min(cfg.rounds, stop_after_round)
@@ -270,7 +279,7 @@ class Job:
         info = self.info
         path = rundir.checkpoint_path(info.label, info.seed)
         if not path.exists():
-            rundir.truncate_job(info.label, info.seed, 0)
+            rundir.rebuild_job(info.label, info.seed, {})
             return None
         ckpt = load_checkpoint(path)
         try:
@@ -282,7 +291,18 @@ class Job:
         info.first_round = ckpt.round + 1
         info.rows = ckpt.rows
         info.wall_offset = ckpt.wall_seconds
-        rundir.truncate_job(info.label, info.seed, ckpt.round)
+        info.restored = ckpt
+        lines = ckpt.lines(rundir, info.label, info.seed, info.groups)
+        repaired = rundir.rebuild_job(info.label, info.seed, lines)
+        if any(len(rows) for rows in lines.values()) and repaired:
+            log.warning(
+                "resume: %s seed %d: rebuilt %s from its checkpoint (round %d); "
+                "rows that had been edited, cut or deleted are restored",
+                info.label,
+                info.seed,
+                ", ".join(repaired),
+                ckpt.round,
+            )
         if self.privacy is not None:
             self.privacy.load_state_dict(ckpt.privacy)
         return state
