@@ -60,7 +60,15 @@ class _Fixed:
 
 @pytest.mark.parametrize(
     "cpus,busy,requested,expected",
-    [(2, 0.0, 2, 2), (2, 1.0, 2, 1), (2, 1.9, 2, 1), (4, 1.2, 8, 3), (4, 0.0, 1, 1), (2, 0.0, 8, 2)],
+    [
+        (2, 0.0, 2, 2),
+        (2, 1.0, 2, 1),
+        (2, 1.9, 2, 1),
+        (4, 1.2, 8, 3),
+        (4, 0.0, 1, 1),
+        (2, 0.0, 8, 2),
+        (2, 5.0, 2, 1),
+    ],
 )
 def test_usable_workers_leave_the_busy_cpus_alone(monkeypatch, cpus, busy, requested, expected):
     monkeypatch.setattr(threads, "available_cpus", lambda: cpus)
@@ -102,7 +110,11 @@ def test_results_do_not_depend_on_how_many_workers_the_load_allows(monkeypatch, 
     start = init_row(model, 0, "test")
     rows = {}
     for allowed in (1, 2):
-        monkeypatch.setattr(simulator_module, "usable_workers", lambda n, a=allowed: min(n, a))
+
+        def allow(n: int, a: int = allowed, adaptive: bool = True) -> int:
+            return min(n, a)
+
+        monkeypatch.setattr(simulator_module, "usable_workers", allow)
         sim = Simulator(model, fed, seed=5, group_size=2, threads=2)
         rows[allowed] = sim.train(clients, start, cfg, rnd=1)
     assert torch.equal(rows[1].rows, rows[2].rows) and torch.equal(rows[1].loss, rows[2].loss)
@@ -111,3 +123,9 @@ def test_results_do_not_depend_on_how_many_workers_the_load_allows(monkeypatch, 
     # summation stays far below 1e-5 (the simulator's tolerance against the loop).
     assert (rows[2].rows - plain).abs().max().item() <= 1e-5
     assert torch.get_num_threads() == 1
+
+
+def test_an_explicit_thread_count_is_capped_by_the_affinity_mask_only(monkeypatch):
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
+    assert threads.usable_workers(4, _Fixed(2.0), adaptive=False) == 2  # type: ignore[arg-type]
+    assert threads.usable_workers(4, _Fixed(2.0)) == 1  # type: ignore[arg-type]

@@ -76,7 +76,9 @@ class Simulator(ClientClock):
     ``group_size`` clients train together on the MLP kernel (default: as
     many equal groups of at most :data:`MAX_GROUP` clients as keep every
     worker busy, :func:`balanced_group_size`); the groups run on ``threads``
-    worker threads (default: ``torch.get_num_threads()``).
+    worker threads (default: ``torch.get_num_threads()``, fewer while other
+    processes keep CPUs busy; an explicit ``threads`` is only capped by the CPUs
+    of the affinity mask; results never depend on how many start).
     ``client_ids`` names the federation's clients in the random streams (batch
     plans, DP noise); by default client i is i. A Flower node holding one
     client of a larger federation passes that client's id, so its batches are
@@ -253,7 +255,8 @@ class Simulator(ClientClock):
 
         # Longest plans first, one client per job, so the workers finish together.
         order = np.argsort(-np.array([len(p) for p in plans]), kind="stable")
-        _run_on_threads(run, [order[j : j + 1] for j in range(len(order))], threads)
+        jobs = [order[j : j + 1] for j in range(len(order))]
+        _run_on_threads(run, jobs, threads, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     def _plain_gradient(
@@ -487,7 +490,7 @@ class Simulator(ClientClock):
         workers = self.threads or torch.get_num_threads()
         size = self.group_size or balanced_group_size(n, workers)
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
-        _run_on_threads(run_group, groups, workers)
+        _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     # ------------------------------------------------------- losses and grads
@@ -673,7 +676,10 @@ def _expected_batch(n_samples: int, batch_size: int) -> float:
 
 
 def _run_on_threads(
-    run: Callable[[np.ndarray], None], groups: list[np.ndarray], threads: int
+    run: Callable[[np.ndarray], None],
+    groups: list[np.ndarray],
+    threads: int,
+    adaptive: bool = True,
 ) -> None:
     """``run(group)`` for every group, on up to ``threads`` worker threads.
 
@@ -681,14 +687,15 @@ def _run_on_threads(
     them): small batched products keep a core busier this way than split
     across cores inside one product. Groups write disjoint rows, and each
     group's arithmetic does not depend on the thread, so results are identical.
-    Fewer workers start where the affinity mask has fewer CPUs or other
-    processes keep some busy (:func:`~fedcluster.engine.threads.usable_workers`).
+    Fewer workers start where the affinity mask has fewer CPUs or, with
+    ``adaptive`` (the simulator's default thread count), where other processes
+    keep some busy (:func:`~fedcluster.engine.threads.usable_workers`).
     """
     if min(threads, len(groups)) <= 1:
         for group in groups:
             run(group)
         return
-    workers = min(usable_workers(threads), len(groups))
+    workers = min(usable_workers(threads, adaptive=adaptive), len(groups))
     intra = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

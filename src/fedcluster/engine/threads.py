@@ -30,8 +30,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-MIN_WINDOW_S = 0.02
-"""Load looks closer together than this reuse the previous estimate."""
+MIN_WINDOW_S = 0.1
+"""Load looks closer together than this reuse the previous estimate (``/proc/stat``
+counts in ticks of 10 ms: shorter windows are too coarse)."""
 
 
 def available_cpus() -> int:
@@ -122,10 +123,16 @@ class LoadMonitor:
 _MONITOR = LoadMonitor()
 
 
-def usable_workers(requested: int, monitor: LoadMonitor | None = None) -> int:
+def usable_workers(
+    requested: int, monitor: LoadMonitor | None = None, adaptive: bool = True
+) -> int:
     """Worker threads to start for ``requested`` parallel jobs: at most the CPUs of the
-    affinity mask that other processes leave free (rounded), at least 1."""
+    affinity mask and, if ``adaptive``, at most those other processes leave free
+    (rounded); at least 1."""
+    cpus = available_cpus()
     if requested <= 1:
         return 1
-    free = available_cpus() - (monitor or _MONITOR).busy_elsewhere()
-    return max(1, min(requested, available_cpus(), int(free + 0.5)))
+    if not adaptive:
+        return min(requested, cpus)
+    busy = min(float(cpus), (monitor or _MONITOR).busy_elsewhere())
+    return max(1, min(requested, cpus, int(cpus - busy + 0.5)))
