@@ -98,7 +98,10 @@ def clustered_federation(
     x = rng.normal(size=(int(total.sum()), n_features)).astype(np.float32)
     owner = np.repeat(np.arange(n_clients), total)
     g = groups[owner]
-    y = np.argmax(np.einsum("nf,nfc->nc", x, w[g], optimize=True) + b[g], axis=1)
+    y = np.empty(len(x), dtype=np.int64)
+    for k in range(N_GROUPS):  # group by group: no [N, f, classes] intermediate
+        rows = g == k
+        y[rows] = np.argmax(x[rows] @ w[k] + b[k], axis=1)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     starts = np.concatenate([[0], np.cumsum(total)])
     train, test = [], []
