@@ -13,6 +13,9 @@ timed interleaved round by round in one process:
 
 (a) ``Simulator.train`` as configured by default (clients on worker threads,
     one intra-op thread each, :meth:`Simulator._train_autograd`);
+(a') ``Simulator(threads=--threads)``: the same with a fixed worker count
+    (the default steps down to fewer workers while other processes keep CPUs
+    busy, :mod:`fedcluster.engine.threads`);
 (b) ``Simulator(threads=1)``: the same per-client autograd loop in the calling
     thread with all intra-op threads (what the simulator did before);
 (c) ``engine.reference.reference_train``: one ``nn.Module``, ``torch.optim.SGD``.
@@ -120,6 +123,7 @@ def run_workload(name: str, args: argparse.Namespace, peak: float) -> dict[str, 
     weights = torch.as_tensor(fed.train_sizes)
     sims = {
         "simulator": Simulator(model, fed, seed=SEED),
+        "simulator_fixed": Simulator(model, fed, seed=SEED, threads=args.threads),
         "simulator_serial": Simulator(model, fed, seed=SEED, threads=1),
     }
     runs: dict[str, Callable[[int], torch.Tensor]] = {
@@ -174,13 +178,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak = matmul_peak()
     results = {name: run_workload(name, args, peak["gflops"]) for name in args.models.split(",")}
     print(
-        f"\n{'workload':<10}{'simulator':>11}{'sim 1 thr':>11}{'loop':>9}{'speedup':>9}{'roof':>7}"
+        f"\n{'workload':<10}{'simulator':>11}{'sim fixed':>11}{'sim 1 thr':>11}{'loop':>9}"
+        f"{'speedup':>9}{'roof':>7}"
     )
     for name, r in results.items():
         s = r["seconds_per_round"]
         worst = max(r["max_abs_diff_vs_plain"].values())
         print(
-            f"{name:<10}{s['simulator']['median']:11.3f}"
+            f"{name:<10}{s['simulator']['median']:11.3f}{s['simulator_fixed']['median']:11.3f}"
             f"{s['simulator_serial']['median']:11.3f}"
             f"{s['plain_loop']['median']:9.3f}{r['speedup_vs_plain']:8.2f}x"
             f"{r['roofline_fraction']:7.1%}   max|diff| vs loop {worst:.1e}"
