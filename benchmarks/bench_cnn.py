@@ -38,7 +38,6 @@ import fedcluster  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads
 
 # isort: on
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -52,11 +51,11 @@ from torch import nn
 from benchmarks.bench_round import (
     THREADS,
     default_data_dir,
-    machine_info,
     matmul_peak,
     measure,
     summarize,
 )
+from benchmarks.common import save_run
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
@@ -196,16 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"load {load_before} / {load_after}"
     )
     print("goal: simulator >= 1.1x the plain loop")
-    if args.out:
-        payload = {
-            "machine": machine_info(),
-            "threads": args.threads,
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-            "matmul_peak": peak,
-            "results": results,
-        }
-        Path(args.out).write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    save_run(args.out, results, load_before, threads=args.threads, matmul_peak=peak)
     return results
 
 

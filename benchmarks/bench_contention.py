@@ -42,10 +42,10 @@ from benchmarks.bench_round import (
     THREADS,
     build_workload,
     default_data_dir,
-    machine_info,
     measure,
     sim_round,
 )
+from benchmarks.common import save_run
 from fedcluster.algorithms.base import init_row
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", action="store_true", help="print one JSON result line (child mode)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    load_before = os.getloadavg()
     if not args.policies:
         results = {os.environ.get("OMP_WAIT_POLICY", "unset"): one_policy(args)}
     else:
@@ -121,9 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"   {r['load_average_before']} / {r['load_average_after']}"
         )
     print("goal: ratio <= 2.5x with one competing process")
-    if args.out:
-        payload = {"machine": machine_info(), "rounds": args.rounds, "results": results}
-        Path(args.out).write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    save_run(args.out, results, load_before, rounds=args.rounds)
     return results
 
 

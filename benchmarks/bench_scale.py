@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.bench_round import machine_info
+from benchmarks.common import save_run
 from fedcluster.config import resolve_config
 from fedcluster.data.federation import Federation
 from fedcluster.rng import numpy_rng
@@ -220,15 +220,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(_line(res), flush=True)
     load_after = os.getloadavg()
     print(f"load average before/after {load_before} / {load_after}")
-    if args.out:
-        payload = {
-            "machine": machine_info(),
-            "argv": base,
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-            "results": results,
-        }
-        Path(args.out).write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    save_run(args.out, results, load_before, argv=base)
     return results
 
 
