@@ -118,7 +118,9 @@ def _timed(fn: Callable, bucket: dict[str, float], step: str) -> Callable:
         try:
             return fn(*args, **kwargs)
         finally:
-            bucket[step] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            bucket[step] += dt
+            bucket[f"{step}/{fn.__name__}"] += dt
 
     return wrapper
 
@@ -177,6 +179,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "per_round": per_round,
         "clustering_seconds_total": bucket["clustering"],
         "aggregation_seconds_total": bucket["aggregation"],
+        "seconds_total_by_function": {k: v for k, v in bucket.items() if "/" in k},
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "final_accuracy": rows[-1].get("accuracy"),
     }
@@ -233,11 +236,13 @@ def _line(r: dict[str, Any]) -> str:
     clus = r["clustering_seconds_total"] / n
     agg = r["aggregation_seconds_total"] / n
     share = clus / max(client + server, 1e-12)
+    parts = sorted(r.get("seconds_total_by_function", {}).items(), key=lambda kv: -kv[1])
+    top = ", ".join(f"{k.split('/')[1]} {v / n:.3f}s" for k, v in parts[:3] if v / n >= 0.001)
     return (
         f"{r['clients']:>6} {r['algorithm']:<9} client {client:7.3f}s  server {server:7.3f}s  "
         f"(clustering {clus:7.3f}s = {share:5.1%} of the round, aggregation {agg:6.3f}s)  "
         f"eval {np.mean(r['per_round']['eval_seconds'] or [0]):6.3f}s  "
-        f"peak RSS {r['peak_rss_mb']:7.0f} MB"
+        f"peak RSS {r['peak_rss_mb']:7.0f} MB" + (f"  [{top}]" if top else "")
     )
 
 
