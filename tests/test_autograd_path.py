@@ -55,3 +55,25 @@ def test_clients_on_worker_threads_equal_the_plain_loop(model_name, shape):
     assert torch.equal(fast.steps, serial.steps)
     assert torch.allclose(fast.loss, serial.loss, atol=1e-5)
     assert torch.get_num_threads() == 1  # restored after the workers
+
+
+def test_a_parameter_the_forward_pass_does_not_use_gets_a_zero_gradient():
+    """As with one flat leaf, a parameter outside the graph has gradient 0 (no error)."""
+
+    class WithSpare(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(12, 10)
+            self.spare = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.flatten(1))
+
+    fed = _federation([8], (1, 3, 4))
+    sim = Simulator(WithSpare(), fed, seed=0)
+    w = init_row(sim.model, 0, "test")
+    g, _ = sim._plain_gradient(w, torch.arange(8), slice(0, sim.layout.dim))
+    spare = next(s for s in sim.layout.slots if s.name == "spare")
+    assert g.shape == (sim.layout.dim,)
+    assert torch.equal(g[spare.start : spare.stop], torch.zeros(3))
+    assert g.abs().sum() > 0

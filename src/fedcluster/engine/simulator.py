@@ -279,8 +279,12 @@ class Simulator(ClientClock):
         ]
         logits = functional_call(layout.module, params, (fed.x_train[idx],))
         loss = F.cross_entropy(logits, fed.y_train[idx])
-        grads = torch.autograd.grad(loss, leaves)
-        return torch.cat([g.reshape(-1) for g in grads]), float(loss.detach())
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # unused: gradient 0
+        flat = [
+            torch.zeros(p.numel()) if g is None else g.reshape(-1)
+            for p, g in zip(leaves, grads, strict=True)
+        ]
+        return torch.cat(flat), float(loss.detach())
 
     def _train_dp(
         self,
