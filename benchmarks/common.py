@@ -65,3 +65,20 @@ def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
 def save_json(path: Path, payload: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=float))
+
+
+def save_run(path: str | None, results: object, load_before: tuple, **extra: object) -> None:
+    """With a ``path``: ``results`` as JSON beside the machine (``lscpu``), the load
+    averages before and now, and ``extra`` fields."""
+    if not path:
+        return
+    from benchmarks.bench_round import machine_info
+
+    payload = {
+        "machine": machine_info(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        **extra,
+        "results": results,
+    }
+    save_json(Path(path), payload)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedcluster.clustering import distances
 from fedcluster.clustering.distances import (
     cosine_similarity_matrix,
     cosine_to,
@@ -301,3 +302,20 @@ def test_trajectory_distance_matches_loop() -> None:
     np.testing.assert_allclose(trajectory_distance_matrix(t).numpy(), loop, atol=1e-12)
     with pytest.raises(ConfigError, match="trajectories"):
         trajectory_distance_matrix(t[0])
+
+
+@pytest.mark.parametrize("variant", ["complete", "divergence", "euclidean"])
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+def test_dcfl_blocked_form_equals_the_dense_one(monkeypatch, variant: str, offset: float) -> None:
+    """Large federations accumulate DCFL's Gram matrices over column blocks: same matrix."""
+    g = _gen(300)
+    origins = offset + torch.randn(9, 300, generator=g, dtype=torch.float64)
+    ends = origins + torch.randn(9, 300, generator=g, dtype=torch.float64)
+    dense = dcfl_distance_matrix(origins, ends, variant=variant)
+    before = ends.clone()
+    monkeypatch.setattr(distances, "DCFL_DENSE_LIMIT", 0)
+    monkeypatch.setattr(distances, "_BLOCK_COLUMNS", 7)  # 43 blocks, the last one short
+    blocked = dcfl_distance_matrix(origins, ends, variant=variant)
+    assert torch.equal(ends, before)  # the inputs are not modified
+    assert torch.equal(blocked, blocked.T) and (blocked.diagonal() == 0).all()
+    np.testing.assert_allclose(blocked.numpy(), dense.numpy(), rtol=1e-9, atol=1e-9)

@@ -30,7 +30,9 @@ draw the same noise and agree to float tolerance.
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from fedcluster.data.federation import Federation
 from fedcluster.dp import gaussian_noise, noisy_clipped_sum, per_sample_gradients
@@ -49,6 +52,7 @@ from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.results import EvalResult, TrainResult
+from fedcluster.engine.threads import usable_workers
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
 """One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
@@ -67,7 +71,9 @@ class Simulator(ClientClock):
     ``group_size`` clients train together on the MLP kernel (default: as
     many equal groups of at most :data:`MAX_GROUP` clients as keep every
     worker busy, :func:`balanced_group_size`); the groups run on ``threads``
-    worker threads (default: ``torch.get_num_threads()``).
+    worker threads (default: ``torch.get_num_threads()``, fewer while other
+    processes keep CPUs busy; an explicit ``threads`` is only capped by the CPUs
+    of the affinity mask; results never depend on how many start).
     ``client_ids`` names the federation's clients in the random streams (batch
     plans, DP noise); by default client i is i. A Flower node holding one
     client of a larger federation passes that client's id, so its batches are
@@ -197,13 +203,27 @@ class Simulator(ClientClock):
         ``gradients(i)`` gives client ``i``'s step gradient (DP-SGD's noisy
         clipped one); by default the plain mini-batch gradient. FedProx's term
         and momentum act on that gradient.
+
+        Plain SGD with more than one thread runs the per-client loop on worker
+        threads, each with its own copy of the module (``functional_call``
+        swaps a module's parameters, so two threads must not share one) and one
+        intra-op thread: batching convolutions across clients does not pay on
+        a CPU, splitting a client's small convolutions across cores pays less
+        than one client per core (issue 14, item 5). Each client's arithmetic
+        is single-threaded whichever worker runs it, so results do not depend
+        on how many workers the load allows.
         """
         out = start.clone()
         losses = torch.full((len(plans),), float("nan"))
         steps = torch.zeros(len(plans), dtype=torch.int64)
         head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
-        for i, plan in enumerate(plans):
-            step_gradient = self._plain_gradient if gradients is None else gradients(i)
+
+        def train_one(i: int, layout: ParamLayout) -> None:
+            plan = plans[i]
+            if gradients is None:
+                step_gradient: StepGradient = partial(self._plain_gradient, layout=layout)
+            else:
+                step_gradient = gradients(i)
             w = start[i].clone()
             anchor = start[i]
             buf: torch.Tensor | None = None
@@ -221,17 +241,53 @@ class Simulator(ClientClock):
             steps[i] = len(plan)
             if plan:
                 losses[i] = total / len(plan)
+
+        threads = self.threads or torch.get_num_threads()
+        buffers = any(True for _ in self.model.buffers())
+        if gradients is not None or threads <= 1 or len(plans) <= 1 or buffers:
+            for i in range(len(plans)):
+                train_one(i, self.layout)
+            return TrainResult(out, losses, steps)
+        local = threading.local()
+
+        def run(group: np.ndarray) -> None:
+            if not hasattr(local, "layout"):
+                local.layout = ParamLayout(copy.deepcopy(self.model))
+            for i in group:
+                train_one(int(i), local.layout)
+
+        # Longest plans first, one client per job, so the workers finish together.
+        order = np.argsort(-np.array([len(p) for p in plans]), kind="stable")
+        jobs = [order[j : j + 1] for j in range(len(order))]
+        _run_on_threads(run, jobs, threads, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     def _plain_gradient(
-        self, w: torch.Tensor, idx: torch.Tensor, head: slice
+        self, w: torch.Tensor, idx: torch.Tensor, head: slice, layout: ParamLayout | None = None
     ) -> tuple[torch.Tensor, float]:
-        """Mini-batch cross-entropy gradient at ``w`` (restricted to ``head``) and the loss."""
+        """Mini-batch cross-entropy gradient at ``w`` (restricted to ``head``) and the loss.
+
+        Each parameter of ``head`` is its own autograd leaf (a detached view of
+        ``w``), so the backward pass neither forms a zero-filled gradient of the
+        whole row per parameter (the backward of slicing a flat leaf) nor
+        computes gradients outside ``head``; the values are those of the flat leaf.
+        """
+        layout = layout or self.layout
         fed = self.federation
-        leaf = w.detach().requires_grad_(True)
-        loss = F.cross_entropy(self.layout.forward(leaf, fed.x_train[idx]), fed.y_train[idx])
-        (grad,) = torch.autograd.grad(loss, leaf)
-        return grad[head], float(loss.detach())
+        params = {name: view.detach() for name, view in layout.unflatten(w).items()}
+        leaves = [
+            params[s.name].requires_grad_()
+            for s in layout.slots
+            if s.start >= head.start and s.stop <= head.stop
+        ]
+        logits = functional_call(layout.module, params, (fed.x_train[idx],))
+        loss = F.cross_entropy(logits, fed.y_train[idx])
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # unused: gradient 0
+        flat = [
+            torch.zeros(p.numel()) if g is None else g.reshape(-1)
+            for p, g in zip(leaves, grads, strict=True)
+        ]
+        return torch.cat(flat), float(loss.detach())
 
     def _train_dp(
         self,
@@ -441,7 +497,7 @@ class Simulator(ClientClock):
         workers = self.threads or torch.get_num_threads()
         size = self.group_size or balanced_group_size(n, workers)
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
-        _run_on_threads(run_group, groups, workers)
+        _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     # ------------------------------------------------------- losses and grads
@@ -620,7 +676,10 @@ def _expected_batch(n_samples: int, batch_size: int) -> float:
 
 
 def _run_on_threads(
-    run: Callable[[np.ndarray], None], groups: list[np.ndarray], threads: int
+    run: Callable[[np.ndarray], None],
+    groups: list[np.ndarray],
+    threads: int,
+    adaptive: bool = True,
 ) -> None:
     """``run(group)`` for every group, on up to ``threads`` worker threads.
 
@@ -628,17 +687,24 @@ def _run_on_threads(
     them): small batched products keep a core busier this way than split
     across cores inside one product. Groups write disjoint rows, and each
     group's arithmetic does not depend on the thread, so results are identical.
+    Fewer workers start where the affinity mask has fewer CPUs or, with
+    ``adaptive`` (the simulator's default thread count), where other processes
+    keep some busy (:func:`~fedcluster.engine.threads.usable_workers`).
     """
-    workers = min(threads, len(groups))
-    if workers <= 1:
+    if min(threads, len(groups)) <= 1:
         for group in groups:
             run(group)
         return
+    workers = min(usable_workers(threads, adaptive=adaptive), len(groups))
     intra = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(run, groups))
+        if workers <= 1:  # the load leaves one CPU: the same single-threaded jobs in turn
+            for group in groups:
+                run(group)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, groups))
     finally:
         torch.set_num_threads(intra)
 
