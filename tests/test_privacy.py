@@ -289,10 +289,34 @@ def test_reported_epsilon_is_monotone_and_within_budget(tmp_path):
         eps = [float(r["epsilon"]) for r in mine]
         assert eps == sorted(eps) and eps[0] > 0.0
         assert max(eps) <= 2.0 and eps[-1] > 2.0 - 0.02  # the budget is used up, not exceeded
-        # after 3 uploads every client stops participating: its uploads are withheld
-        assert [int(r["rejected"]) for r in mine] == [0, 0, 0, 6, 6]
+        # after 3 uploads no client can release any more: the job stops with a message
+        assert [int(r["round"]) for r in mine] == [1, 2, 3]
+        assert [int(r["rejected"]) for r in mine] == [0, 0, 0]
     local = [float(r["epsilon"]) for r in rows if r["algorithm"] == "local"]
     assert local == [0.0] * 5  # local training releases nothing
+
+
+def test_withheld_uploads_are_not_sent(tmp_path):
+    """A client out of budget withholds its upload: no bytes up, a ``withheld`` event,
+    no rejection; the others go on."""
+    sets = [
+        *TINY,
+        "rounds=3",
+        "participation={count: 4}",
+        "algorithms=[{name: fedavg}]",
+        "privacy={mode: client, epsilon: 2.0, clip: 0.5, max_participations: 1}",
+    ]
+    config = resolve_config(None, "quickstart", sets)
+    Experiment(config).run(tmp_path, progress=False)
+    with open(tmp_path / "events.csv", newline="") as f:
+        withheld = [r for r in csv.DictReader(f) if r["kind"] == "withheld"]
+    rows = _metrics(tmp_path)
+    assert withheld and all(int(r["rejected"]) == 0 for r in rows)
+    d = int(rows[0]["bytes_down"]) // 4 // 4  # 4 clients get the model each round
+    for r in rows:
+        held_back = sum(1 for w in withheld if w["round"] == r["round"])
+        sent = 4 - held_back
+        assert int(r["bytes_up"]) == sent * (d * 4 + 4)  # model and sample count
 
 
 def test_record_level_run_and_resume_keep_the_ledger(tmp_path):

@@ -65,6 +65,7 @@ class LocalDP:
         accountant: Accountant = "rdp",
         poisson: bool = True,
         target_epsilon: float | None = None,
+        release_cost: np.ndarray | None = None,
     ) -> None:
         self.mode = mode
         self.seed = int(seed)
@@ -77,6 +78,10 @@ class LocalDP:
         self.poisson = poisson
         self.target_epsilon = target_epsilon
         n = len(self.noise_multiplier)
+        self.release_cost = (
+            np.ones(n, dtype=np.int64) if release_cost is None else np.asarray(release_cost)
+        )
+        """Budget steps one upload costs each client (1, or its DP-SGD steps per training)."""
         self.steps = np.zeros(n, dtype=np.int64)  # sampled Gaussian steps released
         self.releases = np.zeros(n, dtype=np.int64)  # uploads released
         self._warned: set[int] = set()
@@ -97,6 +102,7 @@ class LocalDP:
         if p.mode == "client":
             q = np.ones(n)
             budget = np.full(n, uploads, dtype=np.int64)
+            per_training = np.ones(n, dtype=np.int64)
         else:
             per_epoch = np.array([steps_per_epoch(int(s), t.batch_size) for s in sizes])
             per_training = np.full(n, t.steps) if t.steps is not None else t.epochs * per_epoch
@@ -122,6 +128,7 @@ class LocalDP:
             accountant=p.accountant,
             poisson=p.sampling == "poisson",
             target_epsilon=p.epsilon,
+            release_cost=per_training,
         )
 
     def local_training(self, train: LocalTraining) -> LocalTraining:
@@ -157,16 +164,25 @@ class LocalDP:
             remaining=int(self.budget[client] - self.steps[client]),
         )
 
-    def record(self, clients: np.ndarray, steps: torch.Tensor, rnd: int) -> None:
+    def exhausted(self) -> bool:
+        """Whether no client can afford another upload (the job can stop)."""
+        return bool(np.all(self.budget - self.steps < self.release_cost))
+
+    def record(self, clients: np.ndarray, steps: torch.Tensor, rnd: int) -> np.ndarray:
         """Enter in the ledger what ``clients`` released after trainings of ``steps``
         steps (the computation's release ran where the client is, with the same
         tickets; :func:`fedcluster.dp.release_uploads`): a release costs its
-        ticket's steps; a withheld upload costs nothing."""
-        for c, n in zip(np.asarray(clients, dtype=np.int64), steps.tolist(), strict=True):
+        ticket's steps; a withheld upload costs nothing. Returns the mask of the
+        clients that released (the others withheld: they sent nothing)."""
+        released = np.zeros(len(clients), dtype=bool)
+        for i, (c, n) in enumerate(
+            zip(np.asarray(clients, dtype=np.int64), steps.tolist(), strict=True)
+        ):
             ticket = self.ticket(int(c))
             if ticket.allows(int(n)):
                 self.steps[c] += ticket.cost(int(n))
                 self.releases[c] += 1
+                released[i] = True
                 continue
             if int(c) not in self._warned:
                 self._warned.add(int(c))
@@ -178,6 +194,7 @@ class LocalDP:
                     self.steps[c],
                     self.budget[c],
                 )
+        return released
 
     # ------------------------------------------------------- accounting
     def epsilons(self) -> np.ndarray:

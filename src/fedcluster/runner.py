@@ -266,6 +266,15 @@ class Job:
             stop = [callback.on_round_end(info, rnd, row, state) for callback in callbacks]
             if any(stop):
                 break
+            if self.privacy is not None and self.privacy.exhausted() and rnd < last:
+                log.warning(
+                    "%s seed %d: every client has spent its privacy budget after round %d; "
+                    "the job stops here (privacy.max_participations allows no more uploads)",
+                    info.label,
+                    info.seed,
+                    rnd,
+                )
+                break
         result = JobResult(info.label, info.seed, info.rows, time.perf_counter() - started)
         if last == self.config.rounds:
             rundir.save_artifacts(info.label, info.seed, self.algorithm.artifacts(state))

@@ -9,8 +9,9 @@ which applies to every reply of every computation, in this order:
 2. **local DP of what leaves the client**: for a computation with
    ``privacy="release"`` each asked client gets its release rule
    (:meth:`~fedcluster.privacy.LocalDP.ticket`) with the request, releases or
-   withholds where it is, and the channel enters the release in the ledger;
-   exempt computations say why (``exempt_because``; tested);
+   withholds where it is, and the channel enters the release in the ledger; a
+   withheld upload was never sent (no bytes, a ``withheld`` event); exempt
+   computations say why (``exempt_because``; tested);
 3. **rejection** of malformed replies, before any aggregation or clustering:
    a reply of another shape than declared (e.g. oversized), non-finite values,
    a computation's own bounds (``check``), and for a model upload the server's
@@ -194,10 +195,12 @@ class Channel:
                 sub = self._with_tickets(computation, sub, asked)
             returned = self.backend.run(computation, asked, sub)
             answered = self._answered(computation, asked, returned, rnd)
+            sent = self._released(computation, asked[answered], returned, rnd) if releases else None
             per_reply = computation.bytes_up(sub) + INT_BYTES * metadata_ints
-            traffic.up += per_reply * int(answered.sum()) + returned.malformed_bytes
+            n_sent = int(answered.sum()) if sent is None else int(sent.sum())
+            traffic.up += per_reply * n_sent + returned.malformed_bytes
             accepted = self._accept(
-                computation, asked[answered], sub, returned, rnd, releases, measurement
+                computation, asked[answered], sub, returned, rnd, measurement, sent
             )
             keep[reply] = answered
             keep[np.flatnonzero(reply)[answered]] = accepted
@@ -239,25 +242,21 @@ class Channel:
         request: Request,
         returned: Returned,
         rnd: int,
-        releases: bool,
         measurement: bool,
+        sent: np.ndarray | None,
     ) -> np.ndarray:
-        """Mask over the answered ``clients``: ledger, transforms, finite and bound checks
-        (a measurement, ``releases`` False, gets only the checks of its own reply)."""
+        """Mask over the answered ``clients``: transforms, finite and bound checks of the
+        uploads that were ``sent`` (default all; a measurement gets only the checks
+        of its own reply)."""
         fields = returned.fields
         ok_pos = np.flatnonzero(returned.ok)
-        if releases:
-            assert self.privacy is not None
-            cost = computation.release_cost
-            steps = fields[cost] if cost else torch.ones(len(clients), dtype=torch.int64)
-            self.privacy.record(clients, steps, rnd)
         start = None
         if computation.update is not None and not measurement:
             name, start_name = computation.update
             start = _rows_of(request, start_name, ok_pos)
             for transform in self.client_transforms:
                 fields[name] = transform(clients, start, fields[name], rnd)
-        keep = np.ones(len(clients), dtype=bool)
+        keep = np.ones(len(clients), dtype=bool) if sent is None else sent.copy()
         for name, spec in computation.reply.items():
             if spec.finite:
                 keep &= self.accept_finite(clients, fields[name], rnd, computation.name, keep)
@@ -271,6 +270,22 @@ class Channel:
             name, _ = computation.update
             keep &= self.accept_bounded(clients, fields[name] - start, keep, rnd)
         return keep
+
+    def _released(
+        self, computation: ClientComputation, clients: np.ndarray, returned: Returned, rnd: int
+    ) -> np.ndarray:
+        """Enter the answered clients' releases in the ledger; mask of those that released.
+
+        A client whose budget did not allow the release withheld its upload where
+        it is: it sent nothing (no bytes, a ``withheld`` event, not a rejection).
+        """
+        assert self.privacy is not None
+        cost = computation.release_cost
+        steps = returned.fields[cost] if cost else torch.ones(len(clients), dtype=torch.int64)
+        released = self.privacy.record(clients, steps, rnd)
+        for c in clients[~released]:
+            self.events.append((int(c), "withheld", "privacy budget spent"))
+        return released
 
     # ------------------------------------------------------------ failures
     def respond(self, clients: np.ndarray, rnd: int) -> np.ndarray:
