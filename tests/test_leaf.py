@@ -56,6 +56,18 @@ def _federation(name: str, root: Path, **options) -> Federation:
     return build_federation(dataset, natural_partition(dataset, numpy_rng(0, "partition")))
 
 
+def test_femnist_fedprox_labels_and_class_count(tmp_path: Path) -> None:
+    # FedProx's my_sample.py writes labels as floats (3.0) and its models have 26 outputs.
+    x = [[0.0] * 784, [1.0] * 784]
+    _write(tmp_path / "femnist" / "train" / "mytrain.json", {"f_00000": (x, [3.0, 9.0])})
+    _write(tmp_path / "femnist" / "test" / "mytest.json", {"f_00000": (x[:1], [3.0])})
+    fed = _federation("leaf-femnist", tmp_path, n_classes=26)
+    assert fed.n_classes == 26 and fed.y_train.tolist() == [3, 9] and fed.y_test.tolist() == [3]
+    with pytest.raises(DataError, match="labels must be integers"):
+        _write(tmp_path / "femnist" / "test" / "mytest.json", {"f_00000": (x[:1], [3.5])})
+        load_dataset("leaf-femnist", tmp_path)
+
+
 def test_femnist_writers_become_clients(femnist_root) -> None:
     root, train, test = femnist_root
     fed = _federation("leaf-femnist", root)
@@ -158,6 +170,8 @@ def test_bad_labels_users_and_missing_files(femnist_root, sent140_root, tmp_path
         load_dataset("leaf-sent140", sent140_root)
     with pytest.raises(DataError, match=r"femnist/train/\*\.json .*LEAF's scripts"):
         load_dataset("leaf-femnist", tmp_path / "empty")
+    with pytest.raises(DataError, match="labels must be integers 0..25"):
+        load_dataset("leaf-femnist", root, n_classes=26)
     with pytest.raises(ConfigError, match="unknown option"):
         load_dataset("leaf-femnist", root, seq_len=3)
 
@@ -209,3 +223,11 @@ def test_lstm_reads_the_last_real_token_and_checks_ids() -> None:
         model(torch.tensor([[12, 0, 0, 0, 0, 0]]))
     with pytest.raises(ConfigError, match="token-id inputs"):
         build_model("lstm", (1, 28, 28), 2)
+
+
+@pytest.mark.parametrize("preset", ["fedgroup-femnist-mclr", "fedgroup-femnist-mlp"])
+def test_femnist_presets_need_the_users_files(preset: str, tmp_path: Path) -> None:
+    config = resolve_config(None, preset, [f"data.data_dir={tmp_path}"])
+    assert config.model.name in ("mclr", "mlp") and config.data.partition["name"] == "natural"
+    with pytest.raises(DataError, match=rf"{tmp_path}: missing femnist/train/\*\.json"):
+        build_federation_for(config, 0)

@@ -13,7 +13,11 @@ them: users generate them with LEAF's own scripts (docs/datasets.md).
 
 * ``leaf-femnist``: ``x`` is a row of 784 pixel values in [0, 1] (a 28x28 image,
   row-major), ``y`` a class 0..61 (digits, upper case, lower case). Inputs
-  become ``[1, 28, 28]`` images.
+  become ``[1, 28, 28]`` images. Option ``n_classes`` (default 62) sets the
+  model's outputs: FedProx's FEMNIST (``data/nist/data/my_sample.py``: 200
+  writers, lower-case a-j relabelled 0..9, three per writer), which FedGroup
+  uses, feeds 26-output models (FedProx ``MODEL_PARAMS['nist.mclr'] = (26,)``;
+  FedGroup Table II: MCLR 20,410 = 785·26, MLP 415,258 = 785·512 + 513·26).
 * ``leaf-sent140``: ``x`` is LEAF's raw tweet record (a list whose fifth entry
   is the text) or the text itself, ``y`` is 0/1 (LEAF) or "0"/"4" (Sentiment140's
   own labels, 4 = positive). Texts are split into tokens as LEAF's
@@ -138,7 +142,9 @@ def _read_leaf_file(path: Path) -> list[tuple[str, list[Any], list[Any]]]:
 # --------------------------------------------------------------------------- FEMNIST
 
 
-def femnist_arrays(users: UserData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def femnist_arrays(
+    users: UserData, n_classes: int = len(FEMNIST_CLASSES)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Images ``[N, 1, 28, 28]`` float32, labels ``[N]`` int64, samples per user."""
     xs, ys = [], []
     for user, (x, y, path) in users.items():
@@ -150,7 +156,7 @@ def femnist_arrays(users: UserData) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             raise DataError(
                 f"{path}: user {user!r}: a FEMNIST sample has 784 pixel values, got {xa.shape[1]}"
             )
-        ya = _int_labels(y, len(FEMNIST_CLASSES), path, user)
+        ya = _int_labels(y, n_classes, path, user)
         xs.append(np.zeros((0, 784), np.float32) if xa is None else xa)
         ys.append(ya)
     sizes = np.array([len(y) for y in ys], dtype=np.int64)
@@ -264,7 +270,10 @@ def load_leaf(name: str, root: Path, options: dict[str, Any]) -> Any:
     """
     from fedcluster.data.sources import Dataset, Split
 
-    allowed = {"leaf-femnist": set(), "leaf-sent140": {"seq_len", "vocab_size", "vocab_file"}}
+    allowed = {
+        "leaf-femnist": {"n_classes"},
+        "leaf-sent140": {"seq_len", "vocab_size", "vocab_file"},
+    }
     unknown = sorted(set(options) - allowed[name])
     if unknown:
         takes = ", ".join(sorted(allowed[name])) or "no options"
@@ -281,9 +290,16 @@ def load_leaf(name: str, root: Path, options: dict[str, Any]) -> Any:
         )
     test_users = {u: test_users.get(u, ([], [], dirs[1])) for u in train_users}
     if name == "leaf-femnist":
-        x_tr, y_tr, n_tr = femnist_arrays(train_users)
-        x_te, y_te, n_te = femnist_arrays(test_users)
-        classes = FEMNIST_CLASSES
+        n_classes = _positive_int(
+            name, "n_classes", options.get("n_classes", len(FEMNIST_CLASSES)), 2
+        )
+        x_tr, y_tr, n_tr = femnist_arrays(train_users, n_classes)
+        x_te, y_te, n_te = femnist_arrays(test_users, n_classes)
+        classes = (
+            FEMNIST_CLASSES
+            if n_classes == len(FEMNIST_CLASSES)
+            else tuple(str(c) for c in range(n_classes))
+        )
     else:
         seq_len = _positive_int(name, "seq_len", options.get("seq_len", DEFAULT_SEQ_LEN), 1)
         vocab_size = _positive_int(
