@@ -231,3 +231,13 @@ def test_femnist_presets_need_the_users_files(preset: str, tmp_path: Path) -> No
     assert config.model.name in ("mclr", "mlp") and config.data.partition["name"] == "natural"
     with pytest.raises(DataError, match=rf"{tmp_path}: missing femnist/train/\*\.json"):
         build_federation_for(config, 0)
+
+
+def test_packing_keeps_token_ids_integer_and_images_float() -> None:
+    y = torch.tensor([0, 1])
+    ids = [(torch.tensor([[3, 4], [5, 0]], dtype=torch.int32), y)]
+    fed = Federation.from_clients(ids, ids, 2)
+    assert fed.x_train.dtype == torch.int64 and fed.x_train.tolist() == [[3, 4], [5, 0]]
+    pixels = [(torch.tensor([[0, 255], [128, 7]], dtype=torch.uint8), y)]
+    fed = Federation.from_clients(pixels, pixels, 2)
+    assert fed.x_train.dtype == torch.float32 and fed.x_train[0, 1].item() == 255.0

@@ -341,15 +341,17 @@ def load_dataset(
 
     Args:
         name: ``mnist``, ``fashion-mnist``, ``emnist-bymerge``, ``emnist-byclass``,
-            ``cifar10``, ``digits``, ``mnist5k`` or ``synthetic``.
+            ``cifar10``, ``digits``, ``mnist5k``, ``synthetic``, ``leaf-femnist`` or
+            ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`).
         data_dir: the data root (see :func:`resolve_data_dir`); file-based datasets only.
         download: fetch a file-based dataset's missing files into the data root
             first (see :mod:`fedcluster.data.download`); others ignore it.
         seed: randomness of generated datasets (``synthetic``); others ignore it.
         **options: ``synthetic`` takes ``n_clients`` (30), ``alpha`` (1.0),
             ``beta`` (1.0), ``iid`` (False), ``n_features`` (60), ``n_classes`` (10);
-            see :func:`~fedcluster.data.synthetic.synthetic_federation`. Other
-            datasets take none.
+            see :func:`~fedcluster.data.synthetic.synthetic_federation`.
+            ``leaf-femnist`` takes ``n_classes`` (62), ``leaf-sent140`` ``seq_len``
+            (25), ``vocab_size`` (10,000) and ``vocab_file``. Other datasets take none.
 
     EMNIST: images are transposed back to upright. When only the test files
     exist (as in ``shared/data``), they are returned as ``train`` with
