@@ -6,6 +6,7 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
 
     python -m benchmarks.reproduce cflgt-s1 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce fedgroup-mnist --seeds 3 --out runs/repro
+    python -m benchmarks.reproduce fedgroup-synthetic --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-table1 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-table2 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-fig5 --seeds 3 --out runs/repro
@@ -107,6 +108,11 @@ def fedgroup_mnist(args) -> list[Row]:
     return _run("fedgroup-mnist", ["eval_every=1"], args, "fedgroup-mnist", 10)
 
 
+def fedgroup_synthetic(args) -> list[Row]:
+    """FedGroup Table III (Synthetic(1,1)-MCLR): max accuracy over rounds and last 10."""
+    return _run("fedgroup-synthetic", ["eval_every=1"], args, "fedgroup-synthetic", 10)
+
+
 def dcfl_table1(args) -> list[Row]:
     """DCFL Table I: DCFL vs CFL vs FedAvg, with the preset's (client-level) DP and without.
 
@@ -174,6 +180,7 @@ def load_jobs(runs: list[str]) -> list[Row]:
 EXPERIMENTS: dict[str, Callable] = {
     "cflgt-s1": cflgt_s1,
     "fedgroup-mnist": fedgroup_mnist,
+    "fedgroup-synthetic": fedgroup_synthetic,
     "dcfl-table1": dcfl_table1,
     "dcfl-table2": dcfl_table2,
     "dcfl-fig5": dcfl_fig5,

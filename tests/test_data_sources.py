@@ -60,6 +60,8 @@ def test_list_datasets() -> None:
         "digits",
         "mnist5k",
         "synthetic",
+        "leaf-femnist",
+        "leaf-sent140",
     ]
 
 

@@ -130,6 +130,7 @@ def _print_summary(out: Path) -> None:
 def _list() -> int:
     from fedcluster.algorithms import ALGORITHMS
     from fedcluster.config import list_presets
+    from fedcluster.data.natural import NATURAL
     from fedcluster.data.partitions import PARTITIONS
     from fedcluster.data.sources import list_datasets
     from fedcluster.models import MODELS
@@ -137,7 +138,7 @@ def _list() -> int:
     sections = {
         "algorithms": sorted(ALGORITHMS),
         "datasets": list_datasets(),
-        "partitions": sorted(PARTITIONS),
+        "partitions": sorted([*PARTITIONS, NATURAL]),
         "models": sorted(MODELS),
         "presets": list_presets(),
     }

@@ -9,6 +9,9 @@
 - ``lenet``: the LeNet-like CNN on any input size.
 - ``mclr``: multinomial logistic regression (FedGroup Table II, FedProx).
 - ``dnn``: a 2-layer fully connected network (one hidden layer, default 200).
+- ``lstm``: FedProx's / FedGroup's Sent140 classifier (FedGroup Table II):
+  embedding -> 2-layer LSTM (100 hidden units) -> fc 30 -> fc ``n_classes``
+  on int64 token ids (:mod:`fedcluster.data.leaf`), with a learnable embedding.
 
 Any other model is an import path ``"package.module:factory"`` whose factory
 takes ``(input_shape, n_classes, **options)`` and returns an ``nn.Module``; in
@@ -21,6 +24,7 @@ import importlib
 import math
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 from fedcluster.errors import ConfigError
@@ -95,6 +99,67 @@ def cnn(input_shape: InputShape, n_classes: int) -> nn.Module:
     )
 
 
+class SentimentLSTM(nn.Module):
+    """FedProx's Sent140 ``stacked_lstm`` (``flearn/models/sent140/stacked_lstm.py``).
+
+    Embedding -> ``layers`` stacked LSTMs of ``hidden`` units -> Linear(``fc``)
+    -> Linear(``n_classes``), read at each sequence's last real token (id 0 is
+    padding at the end). FedProx's defaults (``MODEL_PARAMS['sent140.stacked_lstm']
+    = (25, 2, 100)``, 300-d GloVe) give FedGroup Table II's 243,861 trainable
+    parameters for a frozen embedding (4·100·(300+100+1) + 4·100·(100+100+1) +
+    100·30+30 + 30+1). Differences: the embedding is learnable (GloVe is not
+    available offline; ``vocab_size`` x ``embedding_dim`` more parameters), the
+    head has ``n_classes`` logits for cross-entropy instead of one sigmoid logit
+    (31 parameters more for 2 classes), and PyTorch's LSTM has two bias vectors
+    per layer where TensorFlow's ``BasicLSTMCell`` has one (800 more).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        n_classes: int,
+        vocab_size: int,
+        embedding_dim: int,
+        hidden: int,
+        layers: int,
+        fc: int,
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=0)
+        self.lstm = nn.LSTM(embedding_dim, hidden, num_layers=layers, batch_first=True)
+        self.fc = nn.Linear(hidden, fc)
+        self.out = nn.Linear(fc, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = x.long()
+        if ids.numel() and int(ids.max()) >= self.vocab_size:
+            raise ConfigError(
+                f"model lstm: token id {int(ids.max())} >= vocab_size {self.vocab_size}; "
+                "set model.options.vocab_size to the dataset's vocab_size"
+            )
+        states, _ = self.lstm(self.embedding(ids))  # [B, T, hidden]
+        last = ((ids != 0).sum(dim=1) - 1).clamp(min=0)  # last real token (all-pad: the first)
+        h = states[torch.arange(len(ids)), last]
+        return self.out(self.fc(h))
+
+
+def lstm(
+    input_shape: InputShape,
+    n_classes: int,
+    vocab_size: int = 10_000,
+    embedding_dim: int = 300,
+    hidden: int = 100,
+    layers: int = 2,
+    fc: int = 30,
+) -> nn.Module:
+    """FedGroup's Sent140 LSTM on token ids ``[seq_len]`` (see :class:`SentimentLSTM`)."""
+    if len(input_shape) != 1:
+        raise ConfigError(f"model: lstm needs token-id inputs [seq_len], got shape {input_shape}")
+    return SentimentLSTM(input_shape[0], n_classes, vocab_size, embedding_dim, hidden, layers, fc)
+
+
 def _image_shape(input_shape: InputShape) -> tuple[int, int, int]:
     if len(input_shape) != 3:
         raise ConfigError(
@@ -109,6 +174,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "lenet": lenet,
     "mclr": mclr,
     "dnn": dnn,
+    "lstm": lstm,
 }
 
 

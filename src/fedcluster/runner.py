@@ -36,6 +36,7 @@ from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
 from fedcluster.data.drift import DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
+from fedcluster.data.natural import NATURAL, make_natural
 from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
@@ -65,6 +66,8 @@ def load_partitioned(config: ExperimentConfig, seed: int) -> tuple[Dataset, Part
     )
     options = dict(data.partition)
     name = options.pop("name")
+    if name == NATURAL:
+        return dataset, make_natural(dataset, numpy_rng(seed, "partition"), options)
     y_test = None if dataset.test is None else dataset.test.y.numpy()
     partition = make_partition(
         name, dataset.train.y.numpy(), y_test, numpy_rng(seed, "partition"), **options

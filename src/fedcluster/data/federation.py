@@ -126,7 +126,11 @@ def _pack(
 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     sizes = [len(y) for _, y in parts]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    x = torch.cat([x.to(torch.float32) for x, _ in parts]).contiguous()
+    # Token ids (int32/int64, e.g. Sent140's) stay int64; everything else (uint8 images too)
+    # becomes float32.
+    integer = bool(parts) and all(x.dtype in (torch.int32, torch.int64) for x, _ in parts)
+    dtype = torch.int64 if integer else torch.float32
+    x = torch.cat([x.to(dtype) for x, _ in parts]).contiguous()
     y = torch.cat([y.to(torch.int64) for _, y in parts]).contiguous()
     return x, y, offsets
 

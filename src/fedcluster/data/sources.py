@@ -33,6 +33,7 @@ import torch
 from fedcluster.data import cifar
 from fedcluster.data.download import EMNIST_OFFICIAL_URL, ENV_MIRROR, download_dataset
 from fedcluster.data.idx import find_idx_file, read_images_and_labels
+from fedcluster.data.leaf import LEAF_FOLDERS, load_leaf, missing_leaf_files
 from fedcluster.data.synthetic import synthetic_federation
 from fedcluster.errors import ConfigError, DataError
 
@@ -91,6 +92,9 @@ class Dataset:
     test: Split | None
     classes: tuple[str, ...]
     client_sizes: np.ndarray | None = None
+    test_client_sizes: np.ndarray | None = None
+    """For federated sources with their own test split (LEAF): each client's test
+    samples, consecutive rows of ``test`` in client order; None otherwise."""
 
 
 def user_cache_dir() -> Path:
@@ -264,6 +268,10 @@ def _synthetic(name: str, root: Path | None, seed: int, options: dict[str, Any])
     return Dataset(name, Split(torch.from_numpy(x), torch.from_numpy(y)), None, classes, sizes)
 
 
+def _leaf(name: str, root: Path, seed: int, options: dict[str, Any]) -> Dataset:
+    return load_leaf(name, root, options)
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -311,6 +319,8 @@ _SOURCES: dict[str, _Source] = {
     "digits": _Source(_digits),
     "mnist5k": _Source(_mnist5k),
     "synthetic": _Source(_synthetic),
+    "leaf-femnist": _Source(_leaf, missing_leaf_files("leaf-femnist")),
+    "leaf-sent140": _Source(_leaf, missing_leaf_files("leaf-sent140")),
 }
 
 
@@ -331,15 +341,17 @@ def load_dataset(
 
     Args:
         name: ``mnist``, ``fashion-mnist``, ``emnist-bymerge``, ``emnist-byclass``,
-            ``cifar10``, ``digits``, ``mnist5k`` or ``synthetic``.
+            ``cifar10``, ``digits``, ``mnist5k``, ``synthetic``, ``leaf-femnist`` or
+            ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`).
         data_dir: the data root (see :func:`resolve_data_dir`); file-based datasets only.
         download: fetch a file-based dataset's missing files into the data root
             first (see :mod:`fedcluster.data.download`); others ignore it.
         seed: randomness of generated datasets (``synthetic``); others ignore it.
         **options: ``synthetic`` takes ``n_clients`` (30), ``alpha`` (1.0),
             ``beta`` (1.0), ``iid`` (False), ``n_features`` (60), ``n_classes`` (10);
-            see :func:`~fedcluster.data.synthetic.synthetic_federation`. Other
-            datasets take none.
+            see :func:`~fedcluster.data.synthetic.synthetic_federation`.
+            ``leaf-femnist`` takes ``n_classes`` (62), ``leaf-sent140`` ``seq_len``
+            (25), ``vocab_size`` (10,000) and ``vocab_file``. Other datasets take none.
 
     EMNIST: images are transposed back to upright. When only the test files
     exist (as in ``shared/data``), they are returned as ``train`` with
@@ -357,6 +369,13 @@ def load_dataset(
         return source.load(name, None, seed, dict(options))
     root = resolve_data_dir(data_dir)
     missing = source.missing(root)
+    if missing and name in LEAF_FOLDERS:
+        raise DataError(
+            f"{name}: not found in data root {root}: missing {', '.join(missing)}; fedcluster "
+            "does not download LEAF data: generate it with LEAF's scripts "
+            "(github.com/TalwalkarLab/leaf, see docs/datasets.md) and set data_dir to the folder "
+            f"that holds {LEAF_FOLDERS[name]}/"
+        )
     if missing and download:
         download_dataset(name, root)
     elif missing:
