@@ -40,7 +40,7 @@ from fedcluster.algorithms.cluster_models import (
     State,
     argmax_random_ties,
 )
-from fedcluster.engine.client_computations import DECISION_EXEMPTION
+from fedcluster.engine.client_computations import DECISION_EXEMPTION, n_models
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -104,10 +104,6 @@ def fix_empty_clusters(choice: np.ndarray, n_clusters: int, rng: np.random.Gener
     return choice
 
 
-def _n_models(request: Request) -> tuple[int, ...]:
-    return (request.shared["models"].shape[0],)
-
-
 def _gradient_products(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
     s = request.settings
     loss, sq, dot = sim.losses_and_gradient_products(
@@ -125,9 +121,9 @@ GRADIENT_PRODUCTS = register_computation(
     ClientComputation(
         name="jgl-products",
         reply={
-            "losses": ReplyField(_n_models, counted=False),
-            "sq": ReplyField(_n_models, counted=False, dtype=torch.float64),
-            "dot": ReplyField(_n_models, counted=False, dtype=torch.float64),
+            "losses": ReplyField(n_models, counted=False),
+            "sq": ReplyField(n_models, counted=False, dtype=torch.float64),
+            "dot": ReplyField(n_models, counted=False, dtype=torch.float64),
         },
         batched_run=_gradient_products,
         exempt_because=DECISION_EXEMPTION,

@@ -90,7 +90,8 @@ term, momentum, DP-SGD or classifier-only fine-tuning from the settings). Upload
 the trained model; the loss and step count are instrumentation."""
 
 
-def _n_models(request: Request) -> tuple[int, ...]:
+def n_models(request: Request) -> tuple[int, ...]:
+    """The reply shape of a query about the K received ``models``: (K,)."""
     return (request.shared["models"].shape[0],)
 
 
@@ -119,7 +120,7 @@ DECISION_EXEMPTION = (
 LOSSES = register_computation(
     ClientComputation(
         name="losses",
-        reply={"losses": ReplyField(_n_models, counted=False)},
+        reply={"losses": ReplyField(n_models, counted=False)},
         batched_run=_losses,
         exempt_because=DECISION_EXEMPTION,
     )
