@@ -47,7 +47,13 @@ from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
-from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
+from fedcluster.metrics import (
+    COLUMNS,
+    accuracy_columns,
+    cluster_columns,
+    format_row,
+    note_cluster_shortfall,
+)
 from fedcluster.models import build_model
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.report import format_table, summary_rows
@@ -373,6 +379,7 @@ class Experiment:
                     ckpt_path,
                 )
         bar.close()
+        note_cluster_shortfall(label, seed, rows)
         if last == cfg.rounds:
             rundir.save_artifacts(label, seed, algorithm.artifacts(state))
         return JobResult(label, seed, rows, time.perf_counter() - started)
@@ -483,6 +490,13 @@ def job_summary(job: JobResult) -> dict[str, object]:
         "final_accuracy_mean": last.get("accuracy_mean"),
         "final_accuracy_std": last.get("accuracy_std"),
         "final_purity": None if _nan(last.get("purity")) else last.get("purity"),
+        "final_ari": None if _nan(last.get("ari")) else last.get("ari"),
+        "final_nmi": None if _nan(last.get("nmi")) else last.get("nmi"),
+        "final_n_clusters": None if _nan(last.get("n_clusters")) else last.get("n_clusters"),
+        "n_groups": None if _nan(last.get("n_groups")) else last.get("n_groups"),
+        "final_purity_ceiling": (
+            None if _nan(last.get("purity_ceiling")) else last.get("purity_ceiling")
+        ),
         "rounds_to_purity_0.9": purity_round,
         "bytes_up": int(sum(r["bytes_up"] for r in job.rows)),
         "bytes_down": int(sum(r["bytes_down"] for r in job.rows)),
