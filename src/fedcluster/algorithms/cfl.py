@@ -66,6 +66,8 @@ assume a fixed population):
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -95,6 +97,14 @@ class CFLParams(AlgorithmParams):
         ge=0.0,
         lt=1.0,
         description="keep a split only if γ_max < sqrt((1 − α_max^cross)/2) (None: no check)",
+    )
+    thresholds: Literal["absolute", "relative"] = Field(
+        "absolute",
+        description="ε1, ε2 as norms (the paper), or as fractions of the mean-update norm "
+        "of the first reference_rounds rounds (scale-free)",
+    )
+    reference_rounds: int = Field(
+        3, ge=1, description="relative thresholds: rounds whose mean-update norm is the unit"
     )
 
 
@@ -134,7 +144,8 @@ class CFL(Algorithm):
         updates = ex.rows - start
         sizes = ctx.train_sizes[selected]
 
-        clusters, models, norms = [], [], []
+        clusters, models, norms, flags = [], [], [], []
+        eps = self.thresholds(state)
         for c, members in enumerate(state["clusters"]):
             part = np.flatnonzero(labels == c)
             halves = [members]
@@ -143,10 +154,11 @@ class CFL(Algorithm):
                 norm = (float(mean.norm()), float(updates[part].norm(dim=1).max()))
                 everyone = len(part) == int(ctx.present[members].sum())
                 if everyone and rnd > self.params.warmup_rounds:
-                    split = self._split(selected[part], updates[part], norm)
+                    split = self._split(selected[part], updates[part], norm, eps)
                     halves = split if len(split) == 2 else halves
             else:
                 norm = (np.nan, np.nan)
+            flags += [len(halves) == 2] * len(halves)
             if len(halves) == 2:
                 state["split_rounds"].append(rnd)
                 if state["root"] is None:
@@ -157,17 +169,23 @@ class CFL(Algorithm):
 
         state["clusters"] = clusters
         state["update_norms"] = np.array(norms)
+        self._observe(state, rnd, flags, eps)
         labels = self.clusters(state)[selected]
         state["models"] = cluster_average(ex.rows, labels, torch.stack(models), sizes)
         return weighted_loss(ex.loss, sizes)
 
     def _split(
-        self, members: np.ndarray, updates: torch.Tensor, norm: tuple[float, float]
+        self,
+        members: np.ndarray,
+        updates: torch.Tensor,
+        norm: tuple[float, float],
+        eps: tuple[float, float] | None = None,
     ) -> list[np.ndarray]:
         """The cluster ``members`` as one or two halves, by Sattler's criteria."""
         p = self.params
         mean_norm, max_norm = norm
-        if len(members) < 2 or not (mean_norm < p.eps1 and max_norm > p.eps2):
+        eps1, eps2 = (p.eps1, p.eps2) if eps is None else eps
+        if len(members) < 2 or not (mean_norm < eps1 and max_norm > eps2):
             return [members]
         sim = cosine_similarity_matrix(updates)
         first, second = bipartition(sim, members)
@@ -179,6 +197,49 @@ class CFL(Algorithm):
             if not p.gamma_max < np.sqrt((1.0 - cross) / 2.0):
                 return [members]
         return [np.sort(first), np.sort(second)]
+
+    def thresholds(self, state: State) -> tuple[float, float]:
+        """This round's (ε1, ε2): the parameters, or with ``thresholds: relative`` those
+        fractions of the reference norm (module docstring; (0, inf) -- no split -- until
+        a reference round has been seen)."""
+        p = self.params
+        if p.thresholds == "absolute":
+            return p.eps1, p.eps2
+        ref = state.get("reference_norms", [])
+        if not ref:
+            return 0.0, float("inf")
+        unit = float(np.mean(ref))
+        return p.eps1 * unit, p.eps2 * unit
+
+    def _observe(self, state: State, rnd: int, split: list[bool], eps: tuple[float, float]) -> None:
+        """Keep what :meth:`diagnostics` reports and the relative thresholds' reference."""
+        state["split_now"] = np.array(split, dtype=bool)
+        state["eps_now"] = eps
+        ref = state.setdefault("reference_norms", [])
+        mean_norm = float(state["update_norms"][0, 0])
+        single = len(state["clusters"]) == 1
+        if single and len(ref) < self.params.reference_rounds and np.isfinite(mean_norm):
+            ref.append(mean_norm)
+
+    def diagnostics(self, state: State) -> dict[str, float]:
+        """Per cluster ``c<k>/``: the split criterion's quantities of the round.
+
+        ``mean_norm`` ‖Δθ_c‖ (sample-weighted mean update), ``max_norm``
+        max_i ‖Δθ_i‖ (both NaN if no member took part; the halves of a split
+        report their parent's), ``eps1``/``eps2`` the thresholds in force
+        the round used (:meth:`thresholds`), ``split`` 1 if the cluster is a half of a split
+        made this round. Clusters are numbered as after the round.
+        """
+        eps1, eps2 = state.get("eps_now", self.thresholds(state))
+        split = state.get("split_now", np.zeros(len(state["clusters"]), dtype=bool))
+        out: dict[str, float] = {}
+        for c, (mean_norm, max_norm) in enumerate(state["update_norms"]):
+            out[f"c{c}/mean_norm"] = float(mean_norm)
+            out[f"c{c}/max_norm"] = float(max_norm)
+            out[f"c{c}/eps1"] = eps1
+            out[f"c{c}/eps2"] = eps2
+            out[f"c{c}/split"] = float(split[c]) if c < len(split) else 0.0
+        return out
 
     def assign_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> None:
         """Place clients without a cluster (module docstring: newcomers)."""
