@@ -143,7 +143,9 @@ def test_diagnostics_match_a_hand_computation(permuted):
     assert diag["c0/mean_norm"] == pytest.approx(float(np.sqrt((mean**2).sum())), rel=1e-5)
     assert diag["c0/max_norm"] == pytest.approx(max(np.sqrt((u**2).sum()) for u in updates))
     assert (diag["c0/eps1"], diag["c0/eps2"], diag["c0/split"]) == (0.3, 0.7, 0.0)
-    assert set(diag) == {f"c0/{k}" for k in ("mean_norm", "max_norm", "eps1", "eps2", "split")}
+    assert set(diag) == {
+        f"c0/{k}" for k in ("mean_norm", "max_norm", "eps1", "eps2", "split", "alpha_cross")
+    }
 
 
 def test_split_is_flagged_per_half(permuted):

@@ -144,11 +144,12 @@ class CFL(Algorithm):
         updates = ex.rows - start
         sizes = ctx.train_sizes[selected]
 
-        clusters, models, norms, flags = [], [], [], []
+        clusters, models, norms, flags, alphas = [], [], [], [], []
         eps = self.thresholds(state)
         for c, members in enumerate(state["clusters"]):
             part = np.flatnonzero(labels == c)
             halves = [members]
+            self.alpha_cross = np.nan
             if len(part):
                 mean = weighted_average(updates[part], torch.as_tensor(sizes[part]))
                 norm = (float(mean.norm()), float(updates[part].norm(dim=1).max()))
@@ -159,6 +160,7 @@ class CFL(Algorithm):
             else:
                 norm = (np.nan, np.nan)
             flags += [len(halves) == 2] * len(halves)
+            alphas += [self.alpha_cross] * len(halves)
             if len(halves) == 2:
                 state["split_rounds"].append(rnd)
                 if state["root"] is None:
@@ -169,7 +171,7 @@ class CFL(Algorithm):
 
         state["clusters"] = clusters
         state["update_norms"] = np.array(norms)
-        self._observe(state, rnd, flags, eps)
+        self._observe(state, rnd, flags, eps, alphas)
         labels = self.clusters(state)[selected]
         state["models"] = cluster_average(ex.rows, labels, torch.stack(models), sizes)
         return weighted_loss(ex.loss, sizes)
@@ -185,17 +187,19 @@ class CFL(Algorithm):
         p = self.params
         mean_norm, max_norm = norm
         eps1, eps2 = (p.eps1, p.eps2) if eps is None else eps
-        if len(members) < 2 or not (mean_norm < eps1 and max_norm > eps2):
+        if len(members) < 2:
             return [members]
         sim = cosine_similarity_matrix(updates)
         first, second = bipartition(sim, members)
+        in_first = torch.as_tensor(np.isin(members, first))
+        cross = float(sim[in_first][:, ~in_first].max())
+        self.alpha_cross = cross  # α_max^cross of the candidate split, for diagnostics()
+        if not (mean_norm < eps1 and max_norm > eps2):
+            return [members]
         if min(len(first), len(second)) < p.min_cluster_size:
             return [members]
-        if p.gamma_max is not None:
-            in_first = torch.as_tensor(np.isin(members, first))
-            cross = float(sim[in_first][:, ~in_first].max())
-            if not p.gamma_max < np.sqrt((1.0 - cross) / 2.0):
-                return [members]
+        if p.gamma_max is not None and not p.gamma_max < np.sqrt((1.0 - cross) / 2.0):
+            return [members]
         return [np.sort(first), np.sort(second)]
 
     def thresholds(self, state: State) -> tuple[float, float]:
@@ -211,9 +215,17 @@ class CFL(Algorithm):
         unit = float(np.mean(ref))
         return p.eps1 * unit, p.eps2 * unit
 
-    def _observe(self, state: State, rnd: int, split: list[bool], eps: tuple[float, float]) -> None:
+    def _observe(
+        self,
+        state: State,
+        rnd: int,
+        split: list[bool],
+        eps: tuple[float, float],
+        alphas: list[float],
+    ) -> None:
         """Keep what :meth:`diagnostics` reports and the relative thresholds' reference."""
         state["split_now"] = np.array(split, dtype=bool)
+        state["alpha_cross"] = np.array(alphas, dtype=np.float64)
         state["eps_now"] = eps
         ref = state.setdefault("reference_norms", [])
         mean_norm = float(state["update_norms"][0, 0])
@@ -228,10 +240,16 @@ class CFL(Algorithm):
         max_i ‖Δθ_i‖ (both NaN if no member took part; the halves of a split
         report their parent's), ``eps1``/``eps2`` the thresholds in force
         the round used (:meth:`thresholds`), ``split`` 1 if the cluster is a half of a split
-        made this round. Clusters are numbered as after the round.
+        made this round, ``alpha_cross`` the largest cross-half cosine similarity
+        α_max^cross of the cluster's candidate bi-partition (computed whenever
+        the cluster is examined: past the warm-up with all members present; the
+        halves of a split report their parent's; NaN otherwise -- the separation
+        theorem's quantity: a split is worth keeping when it is small).
+        Clusters are numbered as after the round.
         """
         eps1, eps2 = state.get("eps_now", self.thresholds(state))
         split = state.get("split_now", np.zeros(len(state["clusters"]), dtype=bool))
+        alpha = state.get("alpha_cross", np.full(len(state["clusters"]), np.nan))
         out: dict[str, float] = {}
         for c, (mean_norm, max_norm) in enumerate(state["update_norms"]):
             out[f"c{c}/mean_norm"] = float(mean_norm)
@@ -239,6 +257,7 @@ class CFL(Algorithm):
             out[f"c{c}/eps1"] = eps1
             out[f"c{c}/eps2"] = eps2
             out[f"c{c}/split"] = float(split[c]) if c < len(split) else 0.0
+            out[f"c{c}/alpha_cross"] = float(alpha[c]) if c < len(alpha) else np.nan
         return out
 
     def assign_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> None:

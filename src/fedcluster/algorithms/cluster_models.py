@@ -33,7 +33,15 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    Exchange,
+    State,
+    log,
+    weighted_loss,
+)
+from fedcluster.algorithms.repair import ClusterRepair, repair_clusters
 from fedcluster.rng import numpy_rng
 
 
@@ -52,6 +60,9 @@ class ClusterModelParams(AlgorithmParams):
     max_redraws: int = Field(50, ge=1)
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="per-cluster average: uniform (JGL eq. 7) or by sample count"
+    )
+    repair: ClusterRepair | None = Field(
+        None, description="split incongruent clusters into starved ones (repair.py; None: off)"
     )
 
 
@@ -116,11 +127,50 @@ class ClusterModelAlgorithm(Algorithm):
         choice = choice[ex.keep]
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
+        old = state["models"]
         new = cluster_average(ex.rows, choice, state["models"], weights)
         state["delta"] = new - state["models"]
         state["models"] = new
         state["assign"][ex.clients] = choice
+        self.repair(state, rnd, old, ex, choice, weights)
         return weighted_loss(ex.loss, sizes)
+
+    def repair(
+        self,
+        state: State,
+        rnd: int,
+        old: torch.Tensor,
+        ex: Exchange,
+        choice: np.ndarray,
+        weights: np.ndarray | None,
+    ) -> None:
+        """Opt-in cluster repair after the round's averaging (:mod:`.repair`); no-op when off.
+
+        ``old``: the models the clients trained from; ``ex``/``choice``: the
+        accepted uploads and their clusters.
+        """
+        cfg = self.params.repair
+        if cfg is None:
+            return
+        k = len(old)
+        state["repair"] = {"separation": np.full(k, np.nan), "splits": 0}
+        if rnd <= cfg.after:
+            return
+        fixed = repair_clusters(cfg, old, state["models"], state["delta"], ex.rows, choice, weights)
+        state["models"], state["delta"] = fixed.models, fixed.delta
+        state["assign"][ex.clients] = fixed.choice
+        state["repair"] = {"separation": fixed.separation, "splits": len(fixed.splits)}
+        for split, target in fixed.splits:
+            log.info("%s round %d: repair split cluster %d into %d", self.name, rnd, split, target)
+
+    def diagnostics(self, state: State) -> dict[str, float]:
+        """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
+        info = state.get("repair")
+        if info is None:
+            return {}
+        out = {f"repair/c{k}/separation": float(v) for k, v in enumerate(info["separation"])}
+        out["repair/splits"] = float(info["splits"])
+        return out
 
     def broadcast_floats(self) -> int:
         """Floats the server sends each selected client per round."""
