@@ -78,6 +78,11 @@ def jgl_scores(
     return lam * sim + (1.0 - lam) * (-loss.double())
 
 
+def loss_choice_differences(choice: np.ndarray, loss: torch.Tensor) -> int:
+    """Clients whose choice differs from the lowest-loss cluster (eq. 4 with λ = 0)."""
+    return int((choice != loss.argmin(dim=1).numpy()).sum())
+
+
 def fix_empty_clusters(choice: np.ndarray, n_clusters: int, rng: np.random.Generator) -> np.ndarray:
     """Sec. II-C: give each empty cluster one random device from a cluster that can spare one."""
     choice = choice.copy()
@@ -115,9 +120,22 @@ class JGL(ClusterModelAlgorithm):
         scores = jgl_scores(loss, grad_sq, grad_dot, delta_sq, p.lam, p.similarity, p.gradient_sign)
         rng = self.tie_rng(rnd)
         choice = argmax_random_ties(scores, rng)
+        state["differs_from_loss_choice"] = loss_choice_differences(choice, loss)
         if p.empty_cluster_fix:
             choice = fix_empty_clusters(choice, p.n_clusters, rng)
         return choice
+
+    def diagnostics(self, state: State) -> dict[str, float]:
+        """``differs_from_loss_choice``: clients whose eq. 4 choice is not IFCA's (λ = 0).
+
+        Counted each round before Sec. II-C's empty-cluster fix, from the same
+        scores (the loss argmin of the same mini-batch); with repair, its
+        diagnostics too.
+        """
+        out = super().diagnostics(state)
+        if "differs_from_loss_choice" in state:
+            out["differs_from_loss_choice"] = float(state["differs_from_loss_choice"])
+        return out
 
     def broadcast_floats(self) -> int:
         return 2 * self.params.n_clusters * self.ctx.dim  # K models and their last updates
