@@ -14,7 +14,7 @@ The rule, applied by the server after the round's per-cluster averaging
 (``repair:`` in the params of ``ifca`` / ``jgl``; absent = off, the papers'
 behaviour and every number unchanged):
 
-1. **Starved clusters.** A cluster is starved when fewer than
+1. **Starved clusters.** A cluster is starved when at most
    ``starved_share`` × m / K of the round's m accepted clients chose it (0
    choosers: empty; JGL's Sec. II-C fix puts one random client into an empty
    cluster, which leaves it starved). Nothing happens without one.
@@ -75,7 +75,7 @@ class ClusterRepair(AlgorithmParams):
         0.25,
         gt=0.0,
         le=1.0,
-        description="a cluster chosen by fewer than this share of m/K clients may be re-seeded",
+        description="a cluster chosen by at most this share of m/K clients may be re-seeded",
     )
     after: int = Field(1, ge=0, description="no repair in rounds 1..after")
 
@@ -127,7 +127,7 @@ def repair_clusters(
     m = len(choice)
     counts = np.bincount(choice, minlength=k_models)
     starved = [int(k) for k in np.argsort(counts, kind="stable")]
-    starved = [k for k in starved if counts[k] < params.starved_share * m / k_models]
+    starved = [k for k in starved if counts[k] <= params.starved_share * m / k_models]
     out = RepairResult(new.clone(), delta.clone(), choice.copy(), np.full(k_models, np.nan), [])
     w = torch.ones(m) if weights is None else torch.as_tensor(weights)
     for k in np.argsort(-counts, kind="stable"):
