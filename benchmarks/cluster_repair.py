@@ -18,7 +18,9 @@ mean} × similarity {cosine, euclidean}, and IFCA, on ``jgl-mnist`` /
     python -m benchmarks.cluster_repair ablation --settings jgl-mnist --seeds 2 --rounds 10 \\
         --out runs/ablation
 
-``--rounds`` overrides each setting's rounds.
+``--rounds`` overrides each setting's rounds, ``--scale`` the JGL tables' size
+(default 0.27: about 200 samples per client), ``--reductions sum`` runs half
+the ablation grid (e.g. one process per reduction).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from benchmarks.common import REPO, mean_std, parser, run_setting, save_json
 from fedcluster.report import format_table
 
 MAIN_JOB = str(REPO / "tests" / "golden" / "configs" / "main-job.yaml")
-JGL_TABLE = ["data.partition.scale=0.27", "data.partition.relabel=false"]
+JGL_TABLE = ["data.partition.relabel=false"]
 SETTINGS: dict[str, tuple[str | None, str | None, list[str], int]] = {
     # tag: (config file, preset, --set assignments, rounds)
     "main": (MAIN_JOB, None, [], 30),
@@ -57,10 +59,10 @@ def repair_algorithms(tag: str) -> str:
     return "[" + ", ".join(algs) + "]"
 
 
-def ablation_algorithms() -> str:
+def ablation_algorithms(reductions: list[str]) -> str:
     algs = ["{name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform}}"]
     for lam in (0.2, 0.5, 0.8):
-        for reduction in ("sum", "mean"):
+        for reduction in reductions:
             for sim in ("cosine", "euclidean"):
                 algs.append(
                     f"{{name: jgl, label: jgl-{lam}-{reduction}-{sim}, params: {{n_clusters: 4,"
@@ -86,6 +88,8 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("kind", choices=("repair", "ablation"))
     p.add_argument("--settings", default="main", help="comma-separated: " + ",".join(SETTINGS))
+    p.add_argument("--scale", type=float, default=0.27, help="JGL tables: Fig. 2 counts x scale")
+    p.add_argument("--reductions", default="sum,mean", help="ablation: loss reductions to run")
     args = p.parse_args()
     out = Path(args.out)
     table = []
@@ -93,8 +97,13 @@ def main() -> None:
         if tag not in SETTINGS:
             p.error(f"unknown setting {tag!r}; choose from {list(SETTINGS)}")
         config, preset, sets, rounds = SETTINGS[tag]
-        algs = repair_algorithms(tag) if args.kind == "repair" else ablation_algorithms()
-        run_dir = out / f"{args.kind}-{tag}-s{args.first_seed}"
+        if args.kind == "repair":
+            algs = repair_algorithms(tag)
+        else:
+            algs = ablation_algorithms(args.reductions.split(","))
+        if tag.startswith("jgl"):
+            sets = [*sets, f"data.partition.scale={args.scale}"]
+        run_dir = out / f"{args.kind}-{tag}-{args.reductions.replace(',', '+')}-s{args.first_seed}"
         jobs = run_setting(
             preset,
             [*sets, "algorithms=" + algs],
@@ -126,7 +135,8 @@ def main() -> None:
                     f"{choices.get(alg, 0.0) / max(n_choices, 1):.2f}"
                 )
             table.append(row)
-    save_json(out / f"{args.kind}-{args.settings.replace(',', '+')}-s{args.first_seed}.json", table)
+    name = f"{args.kind}-{args.settings.replace(',', '+')}-{args.reductions.replace(',', '+')}"
+    save_json(out / f"{name}-s{args.first_seed}.json", table)
     print(format_table(table))
 
 
