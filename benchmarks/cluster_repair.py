@@ -59,9 +59,9 @@ def repair_algorithms(tag: str) -> str:
     return "[" + ", ".join(algs) + "]"
 
 
-def ablation_algorithms(reductions: list[str]) -> str:
-    algs = ["{name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform}}"]
-    for lam in (0.2, 0.5, 0.8):
+def ablation_algorithms(reductions: list[str], lams: list[str], ifca: bool = True) -> str:
+    algs = ["{name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform}}"] if ifca else []
+    for lam in lams:
         for reduction in reductions:
             for sim in ("cosine", "euclidean"):
                 algs.append(
@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--settings", default="main", help="comma-separated: " + ",".join(SETTINGS))
     p.add_argument("--scale", type=float, default=0.27, help="JGL tables: Fig. 2 counts x scale")
     p.add_argument("--reductions", default="sum,mean", help="ablation: loss reductions to run")
+    p.add_argument("--lams", default="0.2,0.5,0.8", help="ablation: values of λ to run")
+    p.add_argument("--skip-ifca", action="store_true", help="ablation: leave IFCA out")
     args = p.parse_args()
     out = Path(args.out)
     table = []
@@ -100,10 +102,13 @@ def main() -> None:
         if args.kind == "repair":
             algs = repair_algorithms(tag)
         else:
-            algs = ablation_algorithms(args.reductions.split(","))
+            algs = ablation_algorithms(
+                args.reductions.split(","), args.lams.split(","), not args.skip_ifca
+            )
         if tag.startswith("jgl"):
             sets = [*sets, f"data.partition.scale={args.scale}"]
-        run_dir = out / f"{args.kind}-{tag}-{args.reductions.replace(',', '+')}-s{args.first_seed}"
+        grid = f"{args.reductions}-{args.lams}".replace(",", "+")
+        run_dir = out / f"{args.kind}-{tag}-{grid}-s{args.first_seed}"
         jobs = run_setting(
             preset,
             [*sets, "algorithms=" + algs],
@@ -135,7 +140,7 @@ def main() -> None:
                     f"{choices.get(alg, 0.0) / max(n_choices, 1):.2f}"
                 )
             table.append(row)
-    name = f"{args.kind}-{args.settings.replace(',', '+')}-{args.reductions.replace(',', '+')}"
+    name = f"{args.kind}-{args.settings}-{args.reductions}-{args.lams}".replace(",", "+")
     save_json(out / f"{name}-s{args.first_seed}.json", table)
     print(format_table(table))
 

@@ -23,6 +23,25 @@ on it is near a stationary point while some clients are not:
   approximates its true risk (its separation theorem); ``gamma_max`` enables
   this check, off by default as in the reference code, which has no γ.
 
+Choosing ε1 and ε2 (docs/clustering.md). Both norms scale with the
+learning rate, the local steps and the model, so the reference values do not
+transfer: on Fashion-MNIST rotations (MLP, lr 0.05, ~10 local steps)
+‖Δθ_c‖ stays within 0.08-0.18 and max ‖Δθ_i‖ within 0.16-0.56, so ε2 = 1.6
+never holds and CFL is FedAvg. :meth:`CFL.diagnostics` logs, per round and
+cluster, ``mean_norm``, ``max_norm``, ``eps1``, ``eps2``, ``split`` and
+``alpha_cross`` (the candidate split's α_max^cross) to ``diagnostics.csv``:
+read them from one run and set ε1 above the mean norm's plateau after the
+warm-up and ε2 below the usual largest client norm. ``thresholds:
+relative`` (an extension) makes ε1, ε2 multiples of the mean-update norm of
+the first ``reference_rounds`` rounds, so one setting serves several
+learning rates and models; the mean norm first rises (≈ 2× on that task)
+and then settles near 1-1.6× its start, so ε1 ≈ 2 and ε2 ≈ 3 there. The
+norms cannot tell a pure cluster from a mixed one late in training; the
+separation theorem's ``gamma_max`` can (pure-group candidates had
+α_max^cross ≈ 0.4-0.67, mixed 0.1-0.3 there), and ``min_cluster_size``
+keeps single outliers from being peeled off. Measured setting in
+docs/reproduction.md.
+
 Choices where the paper is silent or the code differs, taken here:
 
 - ε1 = 0.4, ε2 = 1.6 and "only after round 20" (``warmup_rounds``) are the
