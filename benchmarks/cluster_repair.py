@@ -60,7 +60,8 @@ def repair_algorithms(tag: str) -> str:
 
 
 def ablation_algorithms(reductions: list[str], lams: list[str], ifca: bool = True) -> str:
-    algs = ["{name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform}}"] if ifca else []
+    ifca_spec = "{name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform}}"
+    algs = [ifca_spec] if ifca else []
     for lam in lams:
         for reduction in reductions:
             for sim in ("cosine", "euclidean"):
