@@ -32,22 +32,23 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def run_setting(
-    preset: str,
+    preset: str | None,
     sets: list[str],
     seeds: int,
     out: Path,
     data_dir: str,
     rounds: int | None = None,
     first_seed: int = 0,
+    config_path: str | None = None,
 ) -> list[dict]:
-    """Run a preset with overrides for ``seeds`` seeds; returns the job summaries."""
+    """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries."""
     overrides = {
         "seeds": list(range(first_seed, first_seed + seeds)),
         "data": {"data_dir": data_dir},
     }
     if rounds is not None:
         overrides["rounds"] = rounds
-    config = resolve_config(None, preset, sets, overrides)
+    config = resolve_config(config_path, preset, sets, overrides)
     results = Experiment(config).run(out, progress=False)
     summaries = [job_summary(j) for j in results]
     for s, j in zip(summaries, results, strict=True):

@@ -14,18 +14,27 @@
   any client has spent so far (at the configured δ; :mod:`fedcluster.privacy`);
   empty without it.
 - ``purity`` (JGL Sec. III-A-3), ``ari``, ``nmi`` against the ground-truth
-  groups, and ``n_clusters``, for algorithms that cluster clients.
+  groups, and ``n_clusters``, for algorithms that cluster clients;
+  ``n_clusters`` is empty while no client is assigned (e.g. CFLGT's and
+  FL+HC's pre-training), not 0. Where a method forms fewer clusters than the
+  ground truth has groups, purity cannot reach 1: the row dict also carries
+  ``purity_ceiling`` (:func:`~fedcluster.clustering.validity.purity_ceiling`,
+  the best purity with that many clusters), which ``summary.json`` /
+  ``summary.md`` report beside the final purity (it is not a ``metrics.csv``
+  column: it follows from ``n_clusters`` and the group sizes in
+  ``clusters.csv``), and :func:`note_cluster_shortfall` says so once per job.
 - ``client_seconds`` (client computations), ``server_seconds`` (the rest of
   the round) and ``eval_seconds``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
-from fedcluster.clustering.validity import ari, nmi, purity
+from fedcluster.clustering.validity import ari, nmi, purity, purity_ceiling
 from fedcluster.engine.results import EvalResult
 
 COLUMNS = [
@@ -52,6 +61,8 @@ COLUMNS = [
 ]
 TIMING_COLUMNS = ("client_seconds", "server_seconds", "eval_seconds")
 
+log = logging.getLogger("fedcluster")
+
 
 def accuracy_columns(result: EvalResult) -> dict[str, float]:
     """Pooled and per-client accuracy and the pooled test loss."""
@@ -66,17 +77,60 @@ def accuracy_columns(result: EvalResult) -> dict[str, float]:
 
 
 def cluster_columns(assign: np.ndarray | None, groups: np.ndarray | None) -> dict[str, float]:
-    """Purity, ARI and NMI of the assigned clients against ground truth, and the cluster count."""
-    nan = {"purity": math.nan, "ari": math.nan, "nmi": math.nan, "n_clusters": math.nan}
+    """Purity, ARI and NMI of the assigned clients against ground truth, and the cluster count.
+
+    Also ``purity_ceiling`` and ``n_groups`` (the ground-truth groups among the
+    assigned clients), which are not ``metrics.csv`` columns. All NaN while no
+    client is assigned.
+    """
+    nan = {
+        "purity": math.nan,
+        "ari": math.nan,
+        "nmi": math.nan,
+        "n_clusters": math.nan,
+        "purity_ceiling": math.nan,
+        "n_groups": math.nan,
+    }
     if assign is None:
         return nan
     known = assign >= 0
-    out = dict(nan, n_clusters=float(len(np.unique(assign[known]))))
-    if groups is None or not known.any():
+    if not known.any():
+        return nan
+    n_clusters = len(np.unique(assign[known]))
+    out = dict(nan, n_clusters=float(n_clusters))
+    if groups is None:
         return out
     t, p = groups[known], assign[known]
-    out.update(purity=purity(t, p), ari=ari(t, p), nmi=nmi(t, p))
+    sizes = np.unique(t, return_counts=True)[1]
+    out.update(
+        purity=purity(t, p),
+        ari=ari(t, p),
+        nmi=nmi(t, p),
+        purity_ceiling=purity_ceiling(sizes, n_clusters),
+        n_groups=float(len(sizes)),
+    )
     return out
+
+
+def note_cluster_shortfall(label: str, seed: int, rows: list[dict[str, object]]) -> None:
+    """Log once, at the end of a job, if its last clustering has fewer clusters than groups."""
+    last = next((r for r in reversed(rows) if _finite(r.get("n_groups"))), None)
+    if last is None or not float(last["n_clusters"]) < float(last["n_groups"]):  # type: ignore[arg-type]
+        return
+    log.info(
+        "%s seed %d: %d clusters for %d ground-truth groups at round %s, so purity can reach at "
+        "most %.3f (purity_ceiling in summary.json); ARI/NMI are the fairer scores",
+        label,
+        seed,
+        int(last["n_clusters"]),  # type: ignore[arg-type]
+        int(last["n_groups"]),  # type: ignore[arg-type]
+        last["round"],
+        last["purity_ceiling"],
+    )
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, float) and not math.isnan(v)
 
 
 def format_row(row: dict[str, object]) -> list[str]:

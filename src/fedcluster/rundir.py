@@ -32,7 +32,7 @@ from tqdm import tqdm
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.config import ExperimentConfig, dump_config
 from fedcluster.errors import FedclusterError
-from fedcluster.metrics import COLUMNS, format_row
+from fedcluster.metrics import COLUMNS, format_row, note_cluster_shortfall
 from fedcluster.report import format_table, summary_rows
 
 CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
@@ -485,6 +485,9 @@ class SummaryWriter(Callback):
     def __init__(self, rundir: RunDirectory) -> None:
         self.rundir = rundir
 
+    def on_job_end(self, job: JobInfo, result: JobResult) -> None:
+        note_cluster_shortfall(job.label, job.seed, result.rows)
+
     def on_run_end(self, run: RunInfo, results: list[JobResult]) -> None:
         if run.resume:
             self.rundir.sort_rows([(j.algorithm, j.seed) for j in results])
@@ -527,6 +530,13 @@ def job_summary(job: JobResult) -> dict[str, object]:
         "final_accuracy_mean": last.get("accuracy_mean"),
         "final_accuracy_std": last.get("accuracy_std"),
         "final_purity": None if _nan(last.get("purity")) else last.get("purity"),
+        "final_ari": None if _nan(last.get("ari")) else last.get("ari"),
+        "final_nmi": None if _nan(last.get("nmi")) else last.get("nmi"),
+        "final_n_clusters": None if _nan(last.get("n_clusters")) else last.get("n_clusters"),
+        "n_groups": None if _nan(last.get("n_groups")) else last.get("n_groups"),
+        "final_purity_ceiling": (
+            None if _nan(last.get("purity_ceiling")) else last.get("purity_ceiling")
+        ),
         "rounds_to_purity_0.9": purity_round,
         "bytes_up": int(sum(r["bytes_up"] for r in job.rows)),
         "bytes_down": int(sum(r["bytes_down"] for r in job.rows)),

@@ -126,3 +126,52 @@ def test_cluster_average_and_eval_fallback():
     models, index = eval_rows_with_average(out, np.array([2, -1, 0]))
     assert index.tolist() == [2, 3, 0]
     assert torch.allclose(models[3], out.mean(dim=0))
+
+
+def test_diagnostics_match_a_hand_computation(permuted):
+    """c0/mean_norm and c0/max_norm are ‖Σ n_i Δθ_i / Σ n_i‖ and max ‖Δθ_i‖ of the round."""
+    alg = make_cfl(permuted, warmup_rounds=5, eps1=0.3, eps2=0.7)
+    state = alg.init_state()
+    everyone = np.arange(alg.ctx.n_clients)
+    start = state.models[0].clone()
+    alg.run_round(state, 1, everyone)
+    diag = alg.diagnostics(state)
+    # The same local training again (its randomness derives from seed, purpose, round, client).
+    rows = alg.ctx.channel.backend.train(everyone, start, alg.ctx.train, 1, "train").rows.double()
+    sizes = permuted.train_sizes.astype(np.float64)
+    updates = [(rows[i] - start.double()).numpy() for i in everyone]
+    mean = sum(n * u for n, u in zip(sizes, updates, strict=True)) / sizes.sum()
+    assert diag["c0/mean_norm"] == pytest.approx(float(np.sqrt((mean**2).sum())), rel=1e-5)
+    assert diag["c0/max_norm"] == pytest.approx(max(np.sqrt((u**2).sum()) for u in updates))
+    assert (diag["c0/eps1"], diag["c0/eps2"], diag["c0/split"]) == (0.3, 0.7, 0.0)
+    assert set(diag) == {
+        f"c0/{k}" for k in ("mean_norm", "max_norm", "eps1", "eps2", "split", "alpha_cross")
+    }
+
+
+def test_split_is_flagged_per_half(permuted):
+    alg = make_cfl(permuted, warmup_rounds=1, min_cluster_size=3, **ALWAYS)
+    state, _ = run(alg, 2)
+    diag = alg.diagnostics(state)
+    assert len(state.clusters) == 2
+    assert diag["c0/split"] == diag["c1/split"] == 1.0
+    assert diag["c0/mean_norm"] == diag["c1/mean_norm"]  # the halves report their parent's
+    alg.run_round(state, 3, np.arange(alg.ctx.n_clients))
+    assert sum(v for k, v in alg.diagnostics(state).items() if k.endswith("/split")) in (0, 2)
+
+
+def test_relative_thresholds_scale_with_the_first_rounds(permuted):
+    """ε = fraction × the mean of the single cluster's ‖Δθ‖ over the reference rounds."""
+    alg = make_cfl(
+        permuted, warmup_rounds=10, thresholds="relative", reference_rounds=2, eps1=0.5, eps2=2.0
+    )
+    state = alg.init_state()
+    assert alg.thresholds(state) == (0.0, float("inf"))  # nothing seen: no split possible
+    seen = []
+    for rnd in (1, 2, 3):
+        alg.run_round(state, rnd, np.arange(alg.ctx.n_clients))
+        seen.append(alg.diagnostics(state)["c0/mean_norm"])
+    unit = (seen[0] + seen[1]) / 2  # round 3 is past the reference rounds
+    assert alg.thresholds(state) == pytest.approx((0.5 * unit, 2.0 * unit))
+    scaled = make_cfl(permuted, warmup_rounds=10, eps1=0.5 * unit, eps2=2.0 * unit)
+    assert scaled.thresholds(scaled.init_state()) == pytest.approx(alg.thresholds(state))

@@ -14,8 +14,8 @@ from fedcluster.clustering.validity import ari, purity
 from fedcluster.data.federation import Federation
 from fedcluster.engine.flat import weighted_average
 from fedcluster.errors import ConfigError
-from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 from tests.algorithms.test_cflgt import MLP, label_set_federation
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 LABEL_SETS = [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]
 N = 16  # clients, 4 per label set

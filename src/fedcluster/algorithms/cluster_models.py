@@ -34,8 +34,16 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    Exchange,
+    State,
+    log,
+    weighted_loss,
+)
 from fedcluster.algorithms.channel import Replies
+from fedcluster.algorithms.repair import ClusterRepair, repair_clusters
 from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.computation import Request
 from fedcluster.rng import numpy_rng
@@ -56,6 +64,9 @@ class ClusterModelParams(AlgorithmParams):
     max_redraws: int = Field(50, ge=1)
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="per-cluster average: uniform (JGL eq. 7) or by sample count"
+    )
+    repair: ClusterRepair | None = Field(
+        None, description="split incongruent clusters into starved ones (repair.py; None: off)"
     )
 
 
@@ -83,6 +94,10 @@ class ClusterModelState(State):
     """Each model's last update Δw_k [K, d] (JGL eq. 2)."""
     assign: np.ndarray
     """Each client's last cluster (−1: never chose)."""
+    repair_separation: np.ndarray | None = None
+    """With cluster repair on: each cluster's separation score in the last round."""
+    repair_splits: int = 0
+    """With cluster repair on: clusters split in the last round."""
 
 
 class ClusterModelAlgorithm(Algorithm):
@@ -161,11 +176,50 @@ class ClusterModelAlgorithm(Algorithm):
         choice = choice[ex.keep]
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
+        old = state.models
         new = cluster_average(ex.rows, choice, state.models, weights)
         state.delta = new - state.models
         state.models = new
         state.assign[ex.clients] = choice
+        self.repair(state, rnd, old, ex, choice, weights)
         return weighted_loss(ex.loss, sizes)
+
+    def repair(
+        self,
+        state: ClusterModelState,
+        rnd: int,
+        old: torch.Tensor,
+        ex: Exchange,
+        choice: np.ndarray,
+        weights: np.ndarray | None,
+    ) -> None:
+        """Opt-in cluster repair after the round's averaging (:mod:`.repair`); no-op when off.
+
+        ``old``: the models the clients trained from; ``ex``/``choice``: the
+        accepted uploads and their clusters.
+        """
+        cfg = self.params.repair
+        if cfg is None:
+            return
+        k = len(old)
+        state.repair_separation, state.repair_splits = np.full(k, np.nan), 0
+        if rnd <= cfg.after:
+            return
+        fixed = repair_clusters(cfg, old, state.models, state.delta, ex.rows, choice, weights)
+        state.models, state.delta = fixed.models, fixed.delta
+        state.assign[ex.clients] = fixed.choice
+        state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
+        for split, target in fixed.splits:
+            log.info("%s round %d: repair split cluster %d into %d", self.name, rnd, split, target)
+
+    def diagnostics(self, state: ClusterModelState) -> dict[str, float]:
+        """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
+        if state.repair_separation is None:
+            return {}
+        values = enumerate(state.repair_separation)
+        out = {f"repair/c{k}/separation": float(v) for k, v in values}
+        out["repair/splits"] = float(state.repair_splits)
+        return out
 
     def upload_ints(self) -> int:
         """Integers each client uploads besides its model (cluster id, sample count)."""

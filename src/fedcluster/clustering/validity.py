@@ -34,6 +34,26 @@ def purity(true: ArrayLike, pred: ArrayLike) -> float:
     return float(counts.max(axis=0).sum() / truth.size)
 
 
+def purity_ceiling(group_sizes: ArrayLike, n_clusters: int) -> float:
+    """The largest :func:`purity` any assignment into ``n_clusters`` clusters can reach.
+
+    With groups of sizes ``s_1 >= s_2 >= ...`` (``M`` clients) the ceiling is
+    ``(s_1 + ... + s_K) / M`` for K clusters, and 1 once K reaches the number
+    of groups. Upper bound: each cluster counts the clients of one group, its
+    majority, and a group's clients are counted at most once in total, so the
+    sum is at most that of K distinct groups' sizes. Reached by giving the
+    K − 1 largest groups a cluster each and putting all other groups into the
+    last cluster, where the K-th largest group is the majority. E.g. FedGroup's
+    m = 3 groups against 10 equal class-pair groups: 0.3.
+    """
+    sizes = np.sort(as_array(group_sizes, "group_sizes", 1))[::-1]
+    if n_clusters < 1:
+        raise ConfigError(f"n_clusters: expected at least 1 cluster, got {n_clusters}")
+    if (sizes < 0).any() or sizes.sum() <= 0:
+        raise ConfigError("group_sizes: expected non-negative sizes with a positive total")
+    return float(min(1.0, sizes[:n_clusters].sum() / sizes.sum()))
+
+
 def ari(true: ArrayLike, pred: ArrayLike) -> float:
     """Adjusted Rand index (scikit-learn): 1 for identical partitions, about 0 by chance."""
     return float(adjusted_rand_score(*_label_pair(true, pred)))

@@ -1,0 +1,88 @@
+"""Cluster repair (algorithms/repair.py): split an incongruent cluster into a starved one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcluster.algorithms.ifca import IFCA
+from fedcluster.algorithms.jgl import JGL
+from fedcluster.algorithms.repair import ClusterRepair, repair_clusters, separation
+from fedcluster.clustering.validity import purity
+from fedcluster.engine.batches import LocalTraining
+from tests.helpers import make_context, rotated_digits
+
+TRAIN = LocalTraining(lr=0.1, batch_size=16)
+
+
+def test_separation_by_hand():
+    sim = torch.tensor([[1.0, 0.8, -0.2], [0.8, 1.0, 0.0], [-0.2, 0.0, 1.0]])
+    # within: the pair (0, 1) = 0.8 (twice, symmetric); across: -0.2, 0.0 (twice each)
+    assert separation(sim, np.array([True, True, False])) == pytest.approx(0.8 - (-0.1))
+    assert np.isnan(separation(sim, np.array([True, True, True])))
+
+
+def test_repair_clusters_splits_two_directions_into_the_empty_cluster():
+    old = torch.zeros(2, 3)
+    old[1] = 9.0  # cluster 1: chosen by nobody
+    rng = np.random.default_rng(0)
+    ups = np.array([[1.0, 0, 0]] * 3 + [[0, 1.0, 0]] * 3) + 0.05 * rng.standard_normal((6, 3))
+    rows = torch.as_tensor(ups, dtype=torch.float32)
+    choice = np.zeros(6, dtype=np.int64)
+    new = torch.stack([rows.mean(dim=0), old[1]])
+    out = repair_clusters(ClusterRepair(), old, new, new - old, rows, choice, None)
+    moved = out.choice == 1
+    assert moved.sum() == 3 and (moved[:3].all() or moved[3:].all())
+    torch.testing.assert_close(out.models[1], rows[torch.as_tensor(moved)].mean(dim=0))
+    torch.testing.assert_close(out.models[0], rows[torch.as_tensor(~moved)].mean(dim=0))
+    torch.testing.assert_close(out.delta[1], out.models[1] - old[0])  # from the model they trained
+    assert out.splits == [(0, 1)] and out.separation[0] > 1.0 and np.isnan(out.separation[1])
+    # Same directions with no starved cluster: nothing to re-seed, nothing changes.
+    busy = np.array([0, 0, 0, 1, 1, 1])
+    out = repair_clusters(ClusterRepair(), old, new, new - old, rows, busy, None)
+    assert out.splits == [] and (out.choice == busy).all()
+    torch.testing.assert_close(out.models, new)
+    # One direction only (a congruent cluster): below the separation, no split.
+    same = torch.as_tensor(np.array([[1.0, 0, 0]] * 6) + 0.05 * rng.standard_normal((6, 3)))
+    out = repair_clusters(ClusterRepair(), old, new, new - old, same.float(), choice, None)
+    assert out.splits == []
+
+
+def _merged_start(alg, state):
+    """Both true groups start in cluster 0: cluster 1's model has an absurd loss for everyone."""
+    state.models[1] = state.models[0] * 50.0
+    return state
+
+
+@pytest.mark.parametrize("cls", [IFCA, JGL])
+def test_repair_separates_two_groups_that_start_in_one_cluster(cls):
+    fed = rotated_digits(n_groups=2, clients_per_group=4, per_client=80)
+    everyone = np.arange(fed.n_clients)
+    results = {}
+    for repair in (None, ClusterRepair(after=0)):
+        ctx = make_context(fed, "mlp", seed=0, train=TRAIN, hidden=[16])
+        alg = cls(cls.Params(n_clusters=2, repair=repair), ctx)
+        state = _merged_start(alg, alg.init_state())
+        for rnd in range(1, 6):
+            alg.run_round(state, rnd, everyone)
+        results[repair is None] = purity(fed.groups, state.assign)
+    # Without repair the groups stay merged (JGL's empty-cluster fix moves one random client).
+    assert results[True] <= 5 / 8
+    assert results[False] == 1.0
+
+
+def test_repair_that_never_splits_changes_nothing():
+    fed = rotated_digits(n_groups=2, clients_per_group=3, per_client=60)
+    everyone = np.arange(fed.n_clients)
+    states = []
+    for repair in (None, ClusterRepair(separation=2.0, after=0)):
+        ctx = make_context(fed, "mlp", seed=1, train=TRAIN, hidden=[8])
+        alg = IFCA(IFCA.Params(n_clusters=3, repair=repair), ctx)
+        state = alg.init_state()
+        for rnd in range(1, 4):
+            alg.run_round(state, rnd, everyone)
+        states.append(state)
+    torch.testing.assert_close(states[0].models, states[1].models, rtol=0, atol=0)
+    assert (states[0].assign == states[1].assign).all()
+    assert states[1].repair_separation is not None and states[0].repair_separation is None
