@@ -92,6 +92,7 @@ class Worker:
             push_task_output,
         )
 
+        start = time.perf_counter()
         client = _runtime_client(self.address, self.insecure, self.root, token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
@@ -117,6 +118,8 @@ class Worker:
                 heartbeat.stop()
                 client.close()
                 self.tasks += 1
+                kind = message.metadata.message_type if message is not None else "?"
+                log.info("task %d (%s): %.3f s", self.tasks, kind, time.perf_counter() - start)
 
     def serve(self, poll: float = 0.02, max_poll: float = 0.2) -> None:
         """Acquire and run ClientApp tasks until the SuperNode goes away."""
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root-certificates", help="CA of the Runtime API's certificate")
     p.add_argument("--parent-pid", type=int, help="exit when this process exits")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
     if args.parent_pid:
         _watch_parent(args.parent_pid)
     root = None
