@@ -29,6 +29,7 @@ from fedcluster.errors import FedclusterError  # noqa: E402
 from fedcluster.flower.launcher import DeploymentError, run_local  # noqa: E402
 from fedcluster.flower.nodedata import client_file  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
+from tests.helpers import rotated_mnist5k  # noqa: E402
 
 pytestmark = pytest.mark.deployment
 
@@ -41,15 +42,7 @@ def _config(algorithms, rounds: int = 3, **extra):
             "name": "deployment-test",
             "seeds": [0],
             "rounds": rounds,
-            "data": {
-                "dataset": "mnist5k",
-                "partition": {
-                    "name": "rotation",
-                    "n_groups": 2,
-                    "base": "iid",
-                    "base_options": {"n_clients": N_CLIENTS, "test_fraction": 0.2},
-                },
-            },
+            "data": rotated_mnist5k(N_CLIENTS),
             "model": {"name": "mlp", "options": {"hidden": [32]}},
             "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
             "algorithms": algorithms,

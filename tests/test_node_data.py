@@ -21,20 +21,13 @@ from fedcluster.errors import DataError, FedclusterError
 from fedcluster.flower.export import export_federation, export_for_nodes, spread_clients
 from fedcluster.flower.nodedata import client_file, load_node_clients, read_manifest, sha256
 from fedcluster.runner import build_federation_for
+from tests.helpers import rotated_mnist5k
 
 CONFIG = {
     "name": "node-data",
     "seeds": [3],
     "rounds": 1,
-    "data": {
-        "dataset": "mnist5k",
-        "partition": {
-            "name": "rotation",
-            "n_groups": 2,
-            "base": "iid",
-            "base_options": {"n_clients": 5, "test_fraction": 0.2},
-        },
-    },
+    "data": rotated_mnist5k(5),
     "model": {"name": "mlp", "options": {"hidden": [8]}},
 }
 
