@@ -16,8 +16,8 @@ compute, push), so that a request's time splits into the ClientApp's work and
 Flower's transport and polling. The simulator's wall time for the same config
 gives the ratio the deployment issue asks for (goal: ≤ 5×).
 
-    python benchmarks/deployment_overhead.py --out runs/deploy-bench
-    python benchmarks/deployment_overhead.py --preset quickstart \\
+    python -m benchmarks.deployment_overhead --out runs/deploy-bench
+    python -m benchmarks.deployment_overhead --preset quickstart \\
         --set data.partition.base_options.n_clients=4 --rounds 3 --isolation process
 
 Measure on a quiet machine; on a loaded one the numbers show only that it runs.
