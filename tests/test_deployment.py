@@ -231,3 +231,27 @@ def test_bad_launcher_input_is_one_line(tmp_path):
         run_local(config.model_copy(update={"seeds": [0, 1]}), tmp_path / "seeds", N_CLIENTS)
     with pytest.raises(FedclusterError, match="--nodes 2: .*use --nodes 4"):
         run_local(config, tmp_path / "nodes", 2, emit=lambda s: None)
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    """SIGINT to `fedcluster flower local` mid-run: non-zero exit, no process left."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(_config([{"name": "fedavg"}], rounds=3).model_dump(mode="json")))
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cli = [sys.executable, "-m", "fedcluster.cli", "flower", "local", str(config)]
+    proc = subprocess.Popen([*cli, "--nodes", str(N_CLIENTS), "--out", str(run)], env=env)
+    nodes_json = run / "deployment/nodes.json"
+    end = time.monotonic() + 300
+    while not nodes_json.exists() and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(2)  # the JSON is complete and `flwr run` is starting
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) != 0
+    nodes = json.loads(nodes_json.read_text())
+    pids = [nodes["superlink"]["pid"]]
+    pids += [p for n in nodes["nodes"] for p in (n["pid"], n["worker_pid"])]
+    assert not [p for p in pids if _alive(p)]
