@@ -238,7 +238,7 @@ def node_simulator(path: str, experiment: str, seed: int, client: int | None = N
 
     from fedcluster.config import validate_config
     from fedcluster.engine.simulator import Simulator
-    from fedcluster.runner import Experiment
+    from fedcluster.runner import model_for
 
     manifest = read_manifest(path)
     if manifest.seed != seed:
@@ -253,6 +253,6 @@ def node_simulator(path: str, experiment: str, seed: int, client: int | None = N
     if client not in clients:
         raise DataError(f"{path}: holds clients {sorted(clients)}, not client {client}")
     own = clients[client]
-    model = Experiment(validate_config(yaml.safe_load(experiment))).model(own)
+    model = model_for(validate_config(yaml.safe_load(experiment)), own)
     # one thread per node: several nodes may share a machine
     return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
