@@ -212,6 +212,7 @@ class LocalDeployment:
     nodes: list[NodeProcess] = field(default_factory=list)
     port: int = 0
     certs: dict[str, Path] = field(default_factory=dict)
+    reported: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder).absolute()
@@ -380,13 +381,21 @@ class LocalDeployment:
         path.write_text(json.dumps(info, indent=1) + "\n")
         return path
 
-    def check_alive(self) -> None:
-        """Raise when the SuperLink or a node exited on its own."""
-        for proc, name, log in self._named():
-            if proc.poll() is not None:
-                raise DeploymentError(
-                    f"{name} exited with code {proc.returncode}: {last_error(log)}"
-                )
+    def check_alive(self, emit: Callable[[str], None] | None = None) -> None:
+        """Raise when the SuperLink exited; report (once) a node or worker that exited:
+        a lost node is the deployment's everyday failure, which the run survives
+        (``deployment.round_timeout``, ``min_replies``) or reports itself."""
+        named = self._named()
+        superlink, name, log = named[0]
+        if superlink.poll() is not None:
+            raise DeploymentError(
+                f"{name} exited with code {superlink.returncode}: {last_error(log)}"
+            )
+        for proc, name, log in named[1:]:
+            if proc.poll() is not None and proc.pid not in self.reported:
+                self.reported.add(proc.pid)
+                if emit is not None:
+                    emit(f"fedcluster: {name} exited with code {proc.returncode} ({log})")
 
     def _named(self) -> list[tuple[subprocess.Popen, str, Path]]:
         out = [(self.procs[0], "flower-superlink", self.folder / "superlink.log")]
@@ -591,7 +600,7 @@ def _submit_and_wait(
             while run.poll() is None:
                 if (out / "summary.json").exists():
                     break
-                dep.check_alive()
+                dep.check_alive(emit)
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise DeploymentError(
                         f"the run did not finish within {timeout:g} s; logs in {dep.folder}"
