@@ -58,3 +58,17 @@ def make_context(
     sim = Simulator(model, federation, seed=seed)
     train = train or LocalTraining(lr=0.1, batch_size=16)
     return Context.for_backend(sim, train, seed, init_row(model, seed, "init"))
+
+
+def rotated_mnist5k(n_clients: int, n_groups: int = 2) -> dict:
+    """The ``data`` section of a small real-data config: mnist5k split IID among
+    ``n_clients`` clients in ``n_groups`` rotation groups (20% test)."""
+    return {
+        "dataset": "mnist5k",
+        "partition": {
+            "name": "rotation",
+            "n_groups": n_groups,
+            "base": "iid",
+            "base_options": {"n_clients": n_clients, "test_fraction": 0.2},
+        },
+    }

@@ -1,4 +1,4 @@
-"""Command-line interface: ``fedcluster run | compare | resume | list``."""
+"""Command-line interface: ``fedcluster run | compare | resume | list | flower``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,36 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--quiet", action="store_true")
 
     sub.add_parser("list", help="show algorithms, datasets, partitions, models and presets")
+    _flower_parsers(sub)
     return parser
+
+
+def _flower_parsers(sub: argparse._SubParsersAction) -> None:
+    """``fedcluster flower export | app | local`` (docs/flower.md)."""
+    flower = sub.add_parser("flower", help="deploy on real Flower nodes (export, app, local)")
+    fsub = flower.add_subparsers(dest="flower_command")
+    export = fsub.add_parser("export", help="write each client's data as a node-local file")
+    _common(export)
+    export.add_argument("--seed", type=int, help="the seed whose partition to export")
+    export.add_argument("--nodes", type=int, help="also write node-K/ folders for N nodes")
+    app = fsub.add_parser("app", help="write a Flower App folder for `flwr run`")
+    app.add_argument("dir", help="the app folder to write")
+    _common(app)
+    app.add_argument("--seed", type=int, help="random seed")
+    local = fsub.add_parser("local", help="run on a SuperLink and N SuperNodes on loopback")
+    _common(local)
+    local.add_argument("--seed", type=int, help="random seed")
+    local.add_argument("--nodes", type=int, required=True, help="number of SuperNodes")
+    local.add_argument("--tls", action="store_true", help="TLS with a throwaway CA")
+    local.add_argument("--auth", action="store_true", help="SuperNode authentication")
+    local.add_argument("--timeout", type=float, help="stop the run after this many seconds")
+    local.add_argument(
+        "--isolation",
+        choices=("process", "subprocess"),
+        default="process",
+        help="process: one long-lived ClientApp worker per node (default); subprocess: "
+        "Flower's default, a fresh ClientApp process per message",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -163,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             return _resume(args)
         if args.command == "list":
             return _list()
+        if args.command == "flower" and args.flower_command:
+            from fedcluster.flower.commands import flower_command
+
+            return flower_command(args, _overrides(args))
         parser.print_help()
         return 2
     except FedclusterError as exc:

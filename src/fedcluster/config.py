@@ -204,6 +204,23 @@ class RejectionConfig(_Strict):
     )
 
 
+class DeploymentConfig(_Strict):
+    """How the Flower ServerApp collects replies from real nodes (docs/flower.md).
+
+    The defaults keep every client required: the server waits for all replies.
+    """
+
+    round_timeout: float | None = Field(
+        None, gt=0.0, description="seconds to wait for a request's replies (None: no limit)"
+    )
+    min_replies: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="fraction of the clients asked that must reply, else the run stops",
+    )
+
+
 class AlgorithmSpec(_Strict):
     name: str
     label: str | None = None
@@ -230,6 +247,7 @@ class ExperimentConfig(_Strict):
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
     rejection: RejectionConfig = Field(default_factory=RejectionConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     algorithms: list[AlgorithmSpec] = Field(
         default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
     )

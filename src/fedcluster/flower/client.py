@@ -52,6 +52,11 @@ def _client(experiment: str, seed: int, client: int) -> Simulator:
 
 def _node(msg: Message, context: Context) -> tuple[Simulator, ConfigRecord]:
     config = protocol.settings(msg.content)
+    if context.node_config.get("data"):  # node-local data: the node reads only its own files
+        from fedcluster.flower.nodedata import node_simulator
+
+        data = str(context.node_config["data"])
+        return node_simulator(data, str(config["experiment"]), int(config["seed"])), config
     client = int(context.node_config["partition-id"])
     return _client(str(config["experiment"]), int(config["seed"]), client), config
 

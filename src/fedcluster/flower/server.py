@@ -11,7 +11,8 @@ checkpoints -- is the simulator's, so a run through Flower writes the same
 - :func:`run_simulation` runs an experiment on Flower's simulation engine, one
   SuperNode per client (``fedcluster run --backend flower``);
 - ``server_app`` is the ServerApp for a deployment with ``flwr run``; it reads
-  the run config keys ``config`` (a YAML path), ``preset`` and ``out``.
+  the run config keys ``config`` (a YAML path), ``preset``, ``out``,
+  ``round-timeout`` and ``min-replies`` (:mod:`fedcluster.flower.app`).
 
 Not supported on this backend yet (a clear error, before any message is
 sent): data drift, which the simulator applies to data the server holds.
@@ -25,7 +26,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
-from fedcluster.config import ExperimentConfig, dump_config, resolve_config
+from fedcluster.config import ExperimentConfig, dump_config
 from fedcluster.engine.backend import FederationView
 from fedcluster.errors import ConfigError
 from fedcluster.flower.backend import FederationInfo, FlowerBackend, discover
@@ -124,6 +125,8 @@ server_app = ServerApp()
 @server_app.main()
 def _deployed(grid: Grid, context: Context) -> None:
     """``flwr run`` entry point: the run config names the experiment and the output."""
-    run = context.run_config
-    config = resolve_config(config_path=run.get("config") or None, preset=run.get("preset") or None)
-    flower_experiment(config, grid).run(str(run.get("out", "runs/flower")), progress=False)
+    from fedcluster.flower.app import config_from_run
+
+    config, out = config_from_run(context.run_config)
+    timeout = config.deployment.round_timeout
+    flower_experiment(config, grid, timeout=timeout).run(out, progress=False)
