@@ -32,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from fedcluster.algorithms.evaluation import own_loss_evaluate
 from fedcluster.engine.backend import Backend
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.results import EvalResult
@@ -149,6 +150,8 @@ class Context:
     present: np.ndarray = field(init=False)
     available: np.ndarray = field(init=False)
     failing: np.ndarray = field(init=False)
+    model_choice: str = "assigned"
+    """Test protocol (:mod:`fedcluster.algorithms.evaluation`): ``assigned`` or ``own_loss``."""
 
     def __post_init__(self) -> None:
         self.set_masks()
@@ -330,6 +333,9 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    per_client_models: ClassVar[bool] = False
+    """Whether each client holds a model of its own (then tested with it whatever
+    ``ctx.model_choice`` says)."""
 
     def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
         self.params = params
@@ -355,9 +361,12 @@ class Algorithm(ABC):
         """
 
     def evaluate(self, state: State, rnd: int) -> EvalResult:
-        """Test accuracy of every present client with the model it would use."""
+        """Test accuracy of every present client with the model it would use
+        (``ctx.model_choice``, :mod:`fedcluster.algorithms.evaluation`)."""
         rows, model_of_client = self.eval_rows(state)
         clients = np.flatnonzero(self.ctx.present)
+        if self.ctx.model_choice == "own_loss" and not self.per_client_models:
+            return own_loss_evaluate(self.ctx.sim, clients, rows)[0]
         return self.ctx.sim.evaluate(clients, rows, model_of_client[clients])
 
     def clusters(self, state: State) -> np.ndarray | None:

@@ -24,6 +24,7 @@ from fedcluster.algorithms.cluster_models import (
     State,
     argmax_random_ties,
 )
+from fedcluster.algorithms.evaluation import mean_losses, per_model_results
 
 
 class IFCAParams(ClusterModelParams):
@@ -53,10 +54,4 @@ class IFCA(ClusterModelAlgorithm):
 
 def _full_data_losses(alg: IFCA, state: State, selected: np.ndarray) -> torch.Tensor:
     """Mean training loss of every model on each client's whole training set [n, K]."""
-    sim = alg.ctx.sim
-    k = state["models"].shape[0]
-    out = torch.empty(len(selected), k)
-    for j in range(k):
-        res = sim.evaluate(selected, state["models"], np.full(len(selected), j), split="train")
-        out[:, j] = torch.as_tensor(res.loss_sum / np.maximum(res.count, 1))
-    return out
+    return mean_losses(per_model_results(alg.ctx.sim, selected, state["models"], "train"))

@@ -18,6 +18,7 @@ class LocalOnly(Algorithm):
     """Local training only (no communication)."""
 
     name = "local"
+    per_client_models = True
 
     def init_state(self) -> State:
         return {"rows": self.ctx.init_row.unsqueeze(0).repeat(self.ctx.n_clients, 1)}

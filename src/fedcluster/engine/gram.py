@@ -62,9 +62,13 @@ class GramCache:
         """
         gram = self._grams.get(c)
         if gram is None:
-            x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])].double()
-            gram = self._grams[c] = torch.mm(x, x.t()).to(self.samples.dtype)
+            gram = self._grams[c] = self.compute(c)
         return gram
+
+    def compute(self, c: int) -> torch.Tensor:
+        """X_c X_cᵀ of client ``c`` as :meth:`client` computes it, without keeping it."""
+        x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])].double()
+        return torch.mm(x, x.t()).to(self.samples.dtype)
 
     def gather(self, clients: np.ndarray, chosen: torch.Tensor) -> torch.Tensor:
         """Gram matrices [G, R, R] of the samples ``chosen`` [G, R] (global row indices)

@@ -396,6 +396,9 @@ class Simulator(ClientClock):
         deferral = kernel.deferral(cfg.batch_size)
         grams = self._grams if self._grams.suits(deferral * cfg.batch_size) else None
 
+        sizes = self.federation.train_sizes[clients]
+        full_batch = plain_sgd and all(len(b) == sizes[i] for i, p in enumerate(plans) for b in p)
+
         def run_group(members: np.ndarray) -> None:
             idx, weight = _stack_plans([plans[m] for m in members])
             rows = torch.as_tensor(members)
@@ -405,7 +408,12 @@ class Simulator(ClientClock):
             else:  # train in place in the output
                 block = out[span]
                 block.copy_(start[span])
-            if plain_sgd and deferral > 1:
+            if full_batch:  # every step on all samples: IFCA's full-batch steps
+                x, y, gram = self._full_batches(clients[members], weight.shape[2])
+                total = kernel.sgd_full_batch(
+                    block, x, y, weight, cfg.lr, gram, self._features, start.stride(0) == 0
+                )
+            elif plain_sgd and deferral > 1:
                 total = kernel.sgd_deferred(
                     block,
                     self._grams.samples,
@@ -440,6 +448,25 @@ class Simulator(ClientClock):
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
         _run_on_threads(run_group, groups, workers)
         return TrainResult(out, losses, steps)
+
+    def _full_batches(
+        self, clients: np.ndarray, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each client's whole training data in stored order, padded to ``width`` rows
+        (padding repeats its first sample): inputs [G, width, f], labels [G, width]
+        and Gram matrices [G, width, width] (zero on padding), for
+        :meth:`MLPKernel.sgd_full_batch`."""
+        off = self.federation.train_offsets
+        idx = torch.empty(len(clients), width, dtype=torch.int64)
+        gram = torch.zeros(len(clients), width, width)
+        keep = self._grams.suits(width)
+        for g, c in enumerate(np.asarray(clients).tolist()):
+            lo, n = int(off[c]), int(off[c + 1] - off[c])
+            idx[g] = lo
+            idx[g, :n] = torch.arange(lo, lo + n)
+            gram[g, :n, :n] = self._grams.client(c) if keep else self._grams.compute(c)
+        x = self._grams.samples.index_select(0, idx.view(-1)).view(len(clients), width, -1)
+        return x, self.federation.y_train[idx], gram
 
     # ------------------------------------------------------- losses and grads
     def losses_and_grads(
