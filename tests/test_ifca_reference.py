@@ -229,3 +229,74 @@ def test_own_loss_protocol_picks_each_clients_lowest_test_loss(mnist_clients):
         assert result.correct[i] == hits[best] and result.count[i] == len(y)
         assert result.loss_sum[i] == pytest.approx(losses[best] * len(y), rel=1e-5)
     assert len(set(choice.tolist())) > 1  # the test is not trivial: clients choose differently
+
+
+# ------------------------------------------------------------------ device setting
+
+
+def test_device_auto_is_the_cpu_path_without_a_gpu(mnist_clients, monkeypatch):
+    from fedcluster.engine.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    moved = mnist_clients.to(resolve_device("auto"))
+    assert moved is mnist_clients  # already there: no copy, drift reaches every holder
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[32])
+    cfg = LocalTraining(lr=0.1, batch_size=16, epochs=1)
+    start = ParamLayout(model).flatten(model)
+    clients = np.arange(4)
+    auto = Simulator(model, moved, seed=1).train(clients, start, cfg, rnd=1).rows
+    plain = Simulator(model, mnist_clients, seed=1).train(clients, start, cfg, rnd=1).rows
+    assert auto.device.type == "cpu" and torch.equal(auto, plain)
+
+
+def test_cuda_without_a_gpu_is_a_one_line_config_error(monkeypatch, tmp_path):
+    from fedcluster.engine.device import resolve_device
+    from fedcluster.runner import Experiment
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA GPU") as err:
+        resolve_device("cuda")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="must be one of"):
+        resolve_device("tpu")
+    cfg = resolve_config(
+        preset="quickstart", sets=["device=cuda", "rounds=1", "data.dataset=digits"]
+    )
+    with pytest.raises(ConfigError, match="device: 'cuda'"):
+        Experiment(cfg).run(tmp_path / "run", progress=False)
+
+
+def test_cli_reports_cuda_without_a_gpu_with_exit_code_2(tmp_path):
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcluster.cli",
+            "run",
+            "--preset",
+            "quickstart",
+            "--set",
+            "device=cuda",
+            "--set",
+            "data.dataset=digits",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path / "r"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "no CUDA GPU" in errors[0]
+    assert not (tmp_path / "r").exists()  # nothing written

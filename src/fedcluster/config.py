@@ -264,6 +264,9 @@ class ExperimentConfig(_Strict):
     )
     eval_every: int = Field(1, ge=1)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="where the simulator computes (auto: cuda when a GPU is visible)"
+    )
     checkpoint_every: int = Field(5, ge=1)
     group_size: int | None = Field(
         None,

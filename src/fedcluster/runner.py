@@ -45,6 +45,7 @@ from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
+from fedcluster.engine.device import resolve_device
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
@@ -263,12 +264,14 @@ class Experiment:
         With ``resume`` the directory's checkpoints are continued. ``stop_after_round``
         stops each job after that round (used to test resuming).
         """
+        device = resolve_device(self.config.device)  # fails before the run directory exists
         rundir = RunDirectory(out)
         if not resume:
             rundir.create(self.config)
         results = []
         for seed in self.config.seeds:
             federation, pool = self.data(seed)
+            federation = federation.to(device)
             scenario = Scenario(
                 self.config.scenario, federation.n_clients, seed, self.config.rounds
             )

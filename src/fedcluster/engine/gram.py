@@ -74,7 +74,9 @@ class GramCache:
         """Gram matrices [G, R, R] of the samples ``chosen`` [G, R] (global row indices)
         of member g, a client of ``clients`` [G]. Indices outside the member's own
         rows (padding) read its first sample: they meet only zero gradients."""
-        out = torch.empty(chosen.shape[0], chosen.shape[1], chosen.shape[1])
+        out = torch.empty(
+            chosen.shape[0], chosen.shape[1], chosen.shape[1], device=self.samples.device
+        )
         for g, c in enumerate(np.asarray(clients).tolist()):
             gram = self.client(c)
             local = (chosen[g] - int(self.offsets[c])).clamp_(0, len(gram) - 1)

@@ -279,7 +279,7 @@ class MLPKernel:
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
-        total = torch.zeros(g, dtype=rows.dtype)
+        total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
         widths = (weight > 0).sum(dim=2).amax(dim=0).tolist()
         for c in range(0, n_steps, chunk):
             steps = range(c, min(n_steps, c + chunk))
@@ -359,7 +359,7 @@ class MLPKernel:
         else:
             pre = torch.bmm(x, w1.transpose(1, 2))
         summed = torch.zeros_like(pre)
-        total = torch.zeros(g, dtype=rows.dtype)
+        total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
         for s in range(n_steps):
             z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
             z.add_(b1.unsqueeze(1))
@@ -407,7 +407,7 @@ class MLPKernel:
         loss, dlogits = self.loss_and_dlogits(logits, y, mask)  # per-sample, unscaled
         loss = loss / count.squeeze(1)
         deltas: dict[int, torch.Tensor] = {}
-        sq = torch.zeros(mask.shape)
+        sq = torch.zeros(mask.shape, device=mask.device)
         for i, h, d in self.backward(params, acts, dlogits, first_trainable):
             deltas[i] = d
             sq += d.square().sum(dim=-1) * (h.square().sum(dim=-1) + 1.0)
@@ -442,7 +442,7 @@ class MLPKernel:
         """Batch losses [G] and full flat gradients [G, d] (no update)."""
         acts, logits = self.forward(params, x)
         loss, dlogits = self.loss_and_dlogits(logits, y, weight)
-        grads = torch.empty(x.shape[0], self.dim, dtype=x.dtype)
+        grads = torch.empty(x.shape[0], self.dim, dtype=x.dtype, device=x.device)
         for i, h, d in self.backward(params, acts, dlogits):
             lay = self.layers[i]
             grads[:, lay.weight] = torch.bmm(d.transpose(1, 2), h).reshape(x.shape[0], -1)
@@ -469,8 +469,8 @@ class MLPKernel:
         """
         acts, logits = self.forward(params, x)
         loss, dlogits = self.loss_and_dlogits(logits, y, weight)
-        sq = torch.zeros(x.shape[0], dtype=torch.float64)
-        dot = torch.zeros(x.shape[0], dtype=torch.float64)
+        sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        dot = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
         for i, h, d in self.backward(params, acts, dlogits):
             dw, db = directions[i]
             gb = d.sum(dim=1)
