@@ -66,6 +66,13 @@ def build(clients_per_group: int, data_dir: str) -> tuple[Federation, object]:
     return build_federation_for(cfg, 0), cfg
 
 
+def _parts(*stamps: float) -> dict[str, float]:
+    """Seconds of the round's parts from the time stamps between them."""
+    names = ("choice_s", "train_s", "aggregate_s", "evaluate_s")
+    out = {n: b - a for n, a, b in zip(names, stamps, stamps[1:], strict=False)}
+    return out | {"round_s": stamps[-1] - stamps[0]}
+
+
 def fast_round(sim: Simulator, models: torch.Tensor, cfg, rnd: int) -> dict:
     """One IFCA round on the simulator, part by part; returns times and new models."""
     clients = np.arange(sim.federation.n_clients)
@@ -78,16 +85,8 @@ def fast_round(sim: Simulator, models: torch.Tensor, cfg, rnd: int) -> dict:
     t3 = time.perf_counter()
     result, _ = own_loss_evaluate(sim, clients, new)
     t4 = time.perf_counter()
-    return {
-        "choice_s": t1 - t0,
-        "train_s": t2 - t1,
-        "aggregate_s": t3 - t2,
-        "evaluate_s": t4 - t3,
-        "round_s": t4 - t0,
-        "models": new,
-        "choice": choice,
-        "accuracy": float(result.correct.sum() / result.count.sum()),
-    }
+    accuracy = float(result.correct.sum() / result.count.sum())
+    return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": choice, "accuracy": accuracy}
 
 
 def reference_round(
@@ -158,15 +157,7 @@ def reference_round(
                 logits = nets[j](x)
                 _ = F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).sum().item()
     t4 = time.perf_counter()
-    return {
-        "choice_s": t1 - t0,
-        "train_s": t2 - t1,
-        "aggregate_s": t3 - t2,
-        "evaluate_s": t4 - t3,
-        "round_s": t4 - t0,
-        "models": new,
-        "choice": np.array(choice),
-    }
+    return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": np.array(choice)}
 
 
 def main(argv: list[str] | None = None) -> dict:
