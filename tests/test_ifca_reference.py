@@ -22,6 +22,7 @@ from fedcluster.errors import ConfigError
 from fedcluster.models import build_model
 from fedcluster.rng import numpy_rng
 from fedcluster.runner import load_partitioned
+from tests.helpers import unequal_clients
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -158,17 +159,7 @@ def test_full_batch_steps_equal_step_by_step_sgd(widths):
 @pytest.fixture(scope="module")
 def mnist_clients(shared_dataset) -> Federation:
     """10 clients of 30..100 real MNIST digits (unequal: padding in the groups)."""
-    ds = shared_dataset("mnist")
-    rng = np.random.default_rng(5)
-    sizes = rng.integers(30, 101, size=10)
-    order = rng.permutation(len(ds.train.y))
-    train, test, start = [], [], 0
-    for s in sizes:
-        idx = torch.as_tensor(order[start : start + s])
-        start += s
-        train.append((ds.train.x[idx], ds.train.y[idx]))
-        test.append((ds.test.x[idx[:15] % 10000], ds.test.y[idx[:15] % 10000]))
-    return Federation.from_clients(train, test, 10)
+    return unequal_clients(shared_dataset("mnist"), 10, 30, 101, test_n=15, seed=5)
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "mclr"])
