@@ -72,3 +72,19 @@ def rotated_mnist5k(n_clients: int, n_groups: int = 2) -> dict:
             "base_options": {"n_clients": n_clients, "test_fraction": 0.2},
         },
     }
+
+
+def unequal_clients(ds, n_clients: int, low: int, high: int, test_n: int, seed: int) -> Federation:
+    """``n_clients`` clients of ``low``..``high - 1`` random training samples of ``ds``
+    (sizes drawn from ``seed``) and ``test_n`` test samples each."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(low, high, size=n_clients)
+    order = rng.permutation(len(ds.train.y))
+    n_test = len(ds.test.y)
+    train, test, start = [], [], 0
+    for s in sizes:
+        idx = torch.as_tensor(order[start : start + s])
+        start += s
+        train.append((ds.train.x[idx], ds.train.y[idx]))
+        test.append((ds.test.x[idx[:test_n] % n_test], ds.test.y[idx[:test_n] % n_test]))
+    return Federation.from_clients(train, test, 10)

@@ -221,6 +221,16 @@ class DeploymentConfig(_Strict):
     )
 
 
+class EvaluationConfig(_Strict):
+    """How clients are tested (:mod:`fedcluster.algorithms.evaluation`)."""
+
+    model_choice: Literal["assigned", "own_loss"] = Field(
+        "assigned",
+        description="test each client with its assigned model, or (IFCA's protocol) with the "
+        "cluster model of lowest loss on its own test data",
+    )
+
+
 class AlgorithmSpec(_Strict):
     name: str
     label: str | None = None
@@ -252,6 +262,10 @@ class ExperimentConfig(_Strict):
         default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
     )
     eval_every: int = Field(1, ge=1)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="where the simulator computes (auto: cuda when a GPU is visible)"
+    )
     checkpoint_every: int = Field(5, ge=1)
     group_size: int | None = Field(
         None,

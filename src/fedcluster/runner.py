@@ -41,6 +41,7 @@ from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.device import resolve_device
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.metrics import accuracy_columns, cluster_columns
@@ -162,12 +163,18 @@ class Experiment:
         With ``resume`` the directory's checkpoints are continued. ``stop_after_round``
         stops each job after that round (used to test resuming).
         """
+        device = resolve_device(self.config.device)  # fails before the run directory exists
         rundir = RunDirectory(out)
         with rundir.lock():
-            return self._run(rundir, resume, progress, stop_after_round)
+            return self._run(rundir, resume, progress, stop_after_round, device)
 
     def _run(
-        self, rundir: RunDirectory, resume: bool, progress: bool, stop_after_round: int | None
+        self,
+        rundir: RunDirectory,
+        resume: bool,
+        progress: bool,
+        stop_after_round: int | None,
+        device: torch.device,
     ) -> list[JobResult]:
         cfg = self.config
         if not resume:
@@ -180,6 +187,8 @@ class Experiment:
         results = []
         for seed in cfg.seeds:
             federation, pool = self.data(seed)
+            if isinstance(federation, Federation):  # the nodes hold the data on Flower
+                federation = federation.to(device)
             scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
             model = self.model(federation)
             start_row = init_row(model, seed, "init")
@@ -242,6 +251,7 @@ class Job:
             self.privacy,
             UpdateBound(**cfg.rejection.model_dump()),
         )
+        ctx.model_choice = cfg.evaluation.model_choice
         self.channel = ctx.channel
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send

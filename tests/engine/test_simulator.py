@@ -15,22 +15,13 @@ from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import MAX_GROUP, Simulator, _nonzero_span, balanced_group_size
 from fedcluster.models import build_model
+from tests.helpers import unequal_clients
 
 
 @pytest.fixture(scope="module")
 def mnist_federation(shared_dataset) -> Federation:
     """12 clients with unequal sizes (40..150 samples) of real MNIST digits."""
-    ds = shared_dataset("mnist")
-    rng = np.random.default_rng(0)
-    sizes = rng.integers(40, 150, size=12)
-    order = rng.permutation(len(ds.train.y))
-    train, test, start = [], [], 0
-    for s in sizes:
-        idx = torch.as_tensor(order[start : start + s])
-        start += s
-        train.append((ds.train.x[idx], ds.train.y[idx]))
-        test.append((ds.test.x[idx[:20] % 10000], ds.test.y[idx[:20] % 10000]))
-    return Federation.from_clients(train, test, 10)
+    return unequal_clients(shared_dataset("mnist"), 12, 40, 150, test_n=20, seed=0)
 
 
 CONFIGS = {

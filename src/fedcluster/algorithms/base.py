@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
 from fedcluster.algorithms.channel import Channel, Replies, UpdateBound
+from fedcluster.algorithms.evaluation import own_loss_evaluate
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, describe_error
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
@@ -132,6 +133,8 @@ class Context:
     train: LocalTraining
     seed: int
     init_row: torch.Tensor
+    model_choice: str = "assigned"
+    """Test protocol (:mod:`fedcluster.algorithms.evaluation`): ``assigned`` or ``own_loss``."""
 
     @classmethod
     def for_backend(
@@ -278,6 +281,9 @@ class Algorithm(ABC):
     name: ClassVar[str]
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     StateType: ClassVar[type[State]] = State
+    per_client_models: ClassVar[bool] = False
+    """Whether each client holds a model of its own (then tested with it whatever
+    ``ctx.model_choice`` says)."""
     """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
 
     def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
@@ -304,9 +310,12 @@ class Algorithm(ABC):
         """
 
     def evaluate(self, state: State, rnd: int) -> EvalResult:
-        """Test accuracy of every present client with the model it would use."""
+        """Test accuracy of every present client with the model it would use
+        (``ctx.model_choice``, :mod:`fedcluster.algorithms.evaluation`)."""
         rows, model_of_client = self.eval_rows(state)
         clients = np.flatnonzero(self.ctx.present)
+        if self.ctx.model_choice == "own_loss" and not self.per_client_models:
+            return own_loss_evaluate(self.ctx, clients, rows, rnd)[0]
         return self.ctx.evaluate(clients, rows, model_of_client[clients], rnd)
 
     def clusters(self, state: State) -> np.ndarray | None:

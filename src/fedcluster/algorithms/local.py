@@ -29,6 +29,7 @@ class LocalOnly(Algorithm):
 
     name = "local"
     StateType = LocalState
+    per_client_models = True
 
     def init_state(self) -> LocalState:
         return LocalState(self.ctx.init_row.unsqueeze(0).repeat(self.ctx.n_clients, 1))

@@ -87,6 +87,22 @@ class Federation:
             rotations=None if self.rotations is None else self.rotations.copy(),
         )
 
+    def to(self, device: torch.device | str) -> Federation:
+        """This federation with its tensors on ``device`` (itself when they are there
+        already, so in-place changes such as drift keep reaching every holder)."""
+        device = torch.device(device)
+        if self.x_train.device == device:
+            return self
+        moved = replace(
+            self,
+            x_train=self.x_train.to(device),
+            y_train=self.y_train.to(device),
+            x_test=self.x_test.to(device),
+            y_test=self.y_test.to(device),
+        )
+        moved.revisions = self.revisions.copy()
+        return moved
+
     def subset(self, clients: list[int]) -> Federation:
         """A federation of only these clients' data (in this order), e.g. a Flower node's own."""
         train = [

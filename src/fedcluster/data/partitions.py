@@ -931,6 +931,8 @@ def rotation(
     base_options: dict[str, Any] | None = None,
     n_groups: int | None = None,
     angles: Sequence[float] | None = None,
+    reuse: str = "none",
+    test_clients: int | None = None,
 ) -> Partition:
     """A base partition whose clients fall into rotation groups, one angle per group.
 
@@ -946,8 +948,18 @@ def rotation(
     differ by at most one), stratified within the base partition's groups when it
     has some. ``groups`` is the rotation group, or when the base has groups,
     the index of the (base group, rotation group) pair.
+
+    ``reuse="per_group"`` draws every rotation group from the full pool
+    (:func:`_rotation_per_group`): IFCA's rotated MNIST (reference code,
+    ``mnist/config.json``) gives each of its 4 groups a fresh permutation of all
+    60,000 training images cut into 600 clients of 100, so every image appears
+    once per rotation. ``base_options`` then describe one group, and
+    ``test_clients`` switches on IFCA's test clients.
     """
     y_train, y_test = _pools(y_train, y_test, rng)
+    reuse = _choice("reuse", reuse, ["none", "per_group"])
+    if reuse == "none" and test_clients is not None:
+        raise ConfigError("partition option 'test_clients' needs reuse='per_group'")
     if angles is None:
         count = 4 if n_groups is None else _int_option("n_groups", n_groups)
         angle_list = [360.0 * g / count for g in range(count)]
@@ -958,6 +970,10 @@ def rotation(
                 f"partition option 'angles' must list one angle per group "
                 f"(n_groups={n_groups}), got {len(angle_list)}"
             )
+    if reuse == "per_group":
+        return _rotation_per_group(
+            y_train, y_test, rng, base, base_options, angle_list, test_clients
+        )
     partition = _base_partition(base, base_options, y_train, y_test, rng)
     count = len(angle_list)
     strata = partition.groups if partition.groups is not None else np.zeros(partition.n_clients)
@@ -971,6 +987,62 @@ def rotation(
     if partition.groups is not None:
         groups = np.unique(partition.groups * count + rot_group, return_inverse=True)[1]
     return with_rotations(partition, np.array(angle_list)[rot_group], groups.reshape(-1))
+
+
+def _rotation_per_group(
+    y_train: np.ndarray,
+    y_test: np.ndarray | None,
+    rng: np.random.Generator,
+    base: str,
+    base_options: dict[str, Any] | None,
+    angles: list[float],
+    test_clients: int | None,
+) -> Partition:
+    """Rotation groups each partitioned from the full pool (samples reused across groups).
+
+    Group g (clients ``g·m .. (g+1)·m − 1``, in order, as in IFCA's reference
+    code) is the base partition drawn afresh from the whole pool, so a training
+    sample appears in every group (once per group with base ``iid`` over the
+    whole pool). ``groups`` is the rotation group combined with the base's
+    groups as in :func:`rotation`.
+
+    ``test_clients`` = t: IFCA's test clients (``_setup_dataset(..., random=False)``
+    of ``mnist/train_cluster_mnist.py``): the test split, in its stored order,
+    is cut into t chunks of (nearly) equal size, and the group's clients take
+    the chunks in turn (client j of a group tests on chunk j mod t), so each
+    group tests on every test sample and each client chooses its model on a
+    whole test client's data. With m a multiple of t every chunk serves m/t
+    clients, and the accuracy over all clients equals that over the t test
+    clients. The base's test options are then ignored.
+    """
+    if test_clients is not None:
+        t = _int_option("test_clients", test_clients)
+        if y_test is None:
+            raise ConfigError("partition option 'test_clients' needs a dataset with a test split")
+        if t > len(y_test):
+            raise ConfigError(
+                f"partition option 'test_clients': {t} test clients exceed the test split's "
+                f"{len(y_test)} samples"
+            )
+    # With IFCA's test clients the base's own test sets are discarded; it draws them from
+    # the training labels, which always hold the classes its clients train on.
+    pool_for_base = y_test if test_clients is None else y_train
+    parts = [_base_partition(base, base_options, y_train, pool_for_base, rng) for _ in angles]
+    per_group = parts[0].n_clients
+    train = [ix for p in parts for ix in p.train]
+    test = [ix for p in parts for ix in p.test]
+    pool = parts[0].test_pool
+    rot_group = np.repeat(np.arange(len(angles)), per_group)
+    groups = rot_group
+    if parts[0].groups is not None:
+        base_groups = np.concatenate([p.groups for p in parts])
+        groups = np.unique(base_groups * len(angles) + rot_group, return_inverse=True)[1]
+    if test_clients is not None:
+        chunks = np.array_split(np.arange(len(y_test)), int(test_clients))
+        test = [chunks[j % len(chunks)] for _ in angles for j in range(per_group)]
+        pool = "test"
+    partition = Partition(train, test, pool, groups=groups.reshape(-1))
+    return with_rotations(partition, np.array(angles)[rot_group], partition.groups)
 
 
 def per_client_rotation(

@@ -62,15 +62,21 @@ class GramCache:
         """
         gram = self._grams.get(c)
         if gram is None:
-            x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])].double()
-            gram = self._grams[c] = torch.mm(x, x.t()).to(self.samples.dtype)
+            gram = self._grams[c] = self.compute(c)
         return gram
+
+    def compute(self, c: int) -> torch.Tensor:
+        """X_c X_cᵀ of client ``c`` as :meth:`client` computes it, without keeping it."""
+        x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])].double()
+        return torch.mm(x, x.t()).to(self.samples.dtype)
 
     def gather(self, clients: np.ndarray, chosen: torch.Tensor) -> torch.Tensor:
         """Gram matrices [G, R, R] of the samples ``chosen`` [G, R] (global row indices)
         of member g, a client of ``clients`` [G]. Indices outside the member's own
         rows (padding) read its first sample: they meet only zero gradients."""
-        out = torch.empty(chosen.shape[0], chosen.shape[1], chosen.shape[1])
+        out = torch.empty(
+            chosen.shape[0], chosen.shape[1], chosen.shape[1], device=self.samples.device
+        )
         for g, c in enumerate(np.asarray(clients).tolist()):
             gram = self.client(c)
             local = (chosen[g] - int(self.offsets[c])).clamp_(0, len(gram) - 1)

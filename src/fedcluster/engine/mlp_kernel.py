@@ -16,7 +16,9 @@ agrees with the plain per-client PyTorch loop to float tolerance (tested).
 Plain SGD (no momentum, proximal term or privacy) takes a faster route,
 :meth:`MLPKernel.sgd_deferred`: the first layer's update is deferred over a
 chunk of steps and replaced by small Gram-matrix corrections, so its weights
-are read twice per chunk instead of twice per step.
+are read twice per chunk instead of twice per step. Full-batch gradient
+descent (every step on all of a client's samples, IFCA's setting) defers it
+over all steps, :meth:`MLPKernel.sgd_full_batch`.
 
 Padding rows (clients whose batch is smaller, or who have already finished
 their steps) carry weight 0, so they contribute nothing to any gradient.
@@ -277,7 +279,7 @@ class MLPKernel:
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
-        total = torch.zeros(g, dtype=rows.dtype)
+        total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
         widths = (weight > 0).sum(dim=2).amax(dim=0).tolist()
         for c in range(0, n_steps, chunk):
             steps = range(c, min(n_steps, c + chunk))
@@ -314,6 +316,67 @@ class MLPKernel:
         self.pack(upper, rows, from_layer=1)
         return total
 
+    def sgd_full_batch(
+        self,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        weight: torch.Tensor,
+        lr: float,
+        gram: torch.Tensor,
+        features: slice | None = None,
+        same_start: bool = False,
+    ) -> torch.Tensor:
+        """Full-batch gradient descent of a group, in place on ``rows`` [G, d]; returns
+        each member's summed step losses [G].
+
+        Every step of member g uses all its samples ``x[g]`` [n, f] (the same rows
+        each step: IFCA's tau full-batch steps, reference ``mnist/train_cluster_mnist.py``)
+        with labels ``y`` [G, n] and per-step row weights ``weight`` [G, S, n]
+        (1/n for real rows, 0 for padding and for steps a member does not take).
+        ``gram`` [G, n, n] is X Xᵀ of each member's samples and ``features`` the
+        input features kept in ``x`` (as in :meth:`sgd_deferred`).
+
+        With the same inputs every step the first layer after s steps is
+        W_s = W_0 − η D_sᵀ X with D_s = Σ_{t<s} δ_t (δ_t the step's
+        pre-activation gradients), so its pre-activations are
+
+            X W_sᵀ = X W_0ᵀ − η (X Xᵀ) D_s:
+
+        one product X W_0ᵀ, an n × n Gram correction per step (n²·h instead of
+        2·n·f·h multiply-adds) and one update W_0 − η D_Sᵀ X at the end. The
+        deferral is exact; only the order of float additions differs from SGD
+        step by step (tested against the per-client loop). The upper layers take
+        ordinary steps (:meth:`sgd_step`).
+        """
+        g, n_steps, _ = weight.shape
+        first = self.layers[0]
+        w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
+        b1 = rows[:, first.bias]
+        upper = self.unpack(rows, from_layer=1)
+        if same_start:  # one product for the whole group
+            pre = torch.mm(x.reshape(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
+        else:
+            pre = torch.bmm(x, w1.transpose(1, 2))
+        summed = torch.zeros_like(pre)
+        total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
+        for s in range(n_steps):
+            z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
+            z.add_(b1.unsqueeze(1))
+            if upper:
+                loss, d = self.sgd_step(
+                    upper, torch.relu(z), y, weight[:, s], lr, input_gradient=True
+                )
+                assert d is not None
+            else:
+                loss, d = self.loss_and_dlogits(z, y, weight[:, s])
+            summed += d
+            b1.sub_(d.sum(dim=1), alpha=lr)
+            total += loss
+        w1.baddbmm_(summed.transpose(1, 2), x, alpha=-lr)
+        self.pack(upper, rows, from_layer=1)
+        return total
+
     def dp_sgd_step(
         self,
         params: LayerParams,
@@ -344,7 +407,7 @@ class MLPKernel:
         loss, dlogits = self.loss_and_dlogits(logits, y, mask)  # per-sample, unscaled
         loss = loss / count.squeeze(1)
         deltas: dict[int, torch.Tensor] = {}
-        sq = torch.zeros(mask.shape)
+        sq = torch.zeros(mask.shape, device=mask.device)
         for i, h, d in self.backward(params, acts, dlogits, first_trainable):
             deltas[i] = d
             sq += d.square().sum(dim=-1) * (h.square().sum(dim=-1) + 1.0)
@@ -379,7 +442,7 @@ class MLPKernel:
         """Batch losses [G] and full flat gradients [G, d] (no update)."""
         acts, logits = self.forward(params, x)
         loss, dlogits = self.loss_and_dlogits(logits, y, weight)
-        grads = torch.empty(x.shape[0], self.dim, dtype=x.dtype)
+        grads = torch.empty(x.shape[0], self.dim, dtype=x.dtype, device=x.device)
         for i, h, d in self.backward(params, acts, dlogits):
             lay = self.layers[i]
             grads[:, lay.weight] = torch.bmm(d.transpose(1, 2), h).reshape(x.shape[0], -1)
@@ -406,8 +469,8 @@ class MLPKernel:
         """
         acts, logits = self.forward(params, x)
         loss, dlogits = self.loss_and_dlogits(logits, y, weight)
-        sq = torch.zeros(x.shape[0], dtype=torch.float64)
-        dot = torch.zeros(x.shape[0], dtype=torch.float64)
+        sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        dot = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
         for i, h, d in self.backward(params, acts, dlogits):
             dw, db = directions[i]
             gb = d.sum(dim=1)

@@ -53,6 +53,7 @@ from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.threads import usable_workers
+from fedcluster.errors import FedclusterError
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
 """One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
@@ -90,7 +91,8 @@ class Simulator(ClientClock):
         threads: int | None = None,
         client_ids: np.ndarray | None = None,
     ) -> None:
-        self.model = model
+        self.device = federation.x_train.device  # set by Federation.to (engine.device)
+        self.model = model.to(self.device)
         self.federation = federation
         if client_ids is not None and len(client_ids) != federation.n_clients:
             raise ValueError(
@@ -180,15 +182,21 @@ class Simulator(ClientClock):
         Local DP of the upload is the computation's release (:mod:`fedcluster.dp`).
         """
         clients = np.asarray(clients, dtype=np.int64)
-        start = broadcast_rows(start, len(clients), self.layout.dim)
+        start = broadcast_rows(start, len(clients), self.layout.dim).to(self.device)
         with self.timed():
             self._follow_data_changes()
             plans = self.plans(clients, cfg, rnd, purpose)
+            if cfg.dp is not None and self.device.type != "cpu":
+                raise FedclusterError(
+                    f"privacy: record-level DP-SGD runs on the CPU only, not on {self.device}"
+                )
             if cfg.dp is not None:
-                return self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
-            if self.kernel is not None:
-                return self._train_kernel(plans, clients, start, cfg, classifier_only)
-            return self._train_autograd(plans, start, cfg, classifier_only)
+                result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
+            elif self.kernel is not None:
+                result = self._train_kernel(plans, clients, start, cfg, classifier_only)
+            else:
+                result = self._train_autograd(plans, start, cfg, classifier_only)
+            return TrainResult(result.rows.cpu(), result.loss, result.steps)
 
     def _train_autograd(
         self,
@@ -274,6 +282,7 @@ class Simulator(ClientClock):
         """
         layout = layout or self.layout
         fed = self.federation
+        idx = idx.to(self.device)
         params = {name: view.detach() for name, view in layout.unflatten(w).items()}
         leaves = [
             params[s.name].requires_grad_()
@@ -284,7 +293,7 @@ class Simulator(ClientClock):
         loss = F.cross_entropy(logits, fed.y_train[idx])
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # unused: gradient 0
         flat = [
-            torch.zeros(p.numel()) if g is None else g.reshape(-1)
+            torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1)
             for p, g in zip(leaves, grads, strict=True)
         ]
         return torch.cat(flat), float(loss.detach())
@@ -417,7 +426,7 @@ class Simulator(ClientClock):
         kernel = self.kernel
         assert kernel is not None
         n = len(plans)
-        out = torch.empty(start.shape, dtype=start.dtype)  # every row is written by its group
+        out = torch.empty_like(start)  # every row is written by its group
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
@@ -455,16 +464,25 @@ class Simulator(ClientClock):
         deferral = kernel.deferral(cfg.batch_size)
         grams = self._grams if self._grams.suits(deferral * cfg.batch_size) else None
 
+        sizes = self.federation.train_sizes[clients]
+        full_batch = plain_sgd and all(len(b) == sizes[i] for i, p in enumerate(plans) for b in p)
+
         def run_group(members: np.ndarray) -> None:
             idx, weight = _stack_plans([plans[m] for m in members])
-            rows = torch.as_tensor(members)
+            idx, weight = idx.to(self.device), weight.to(self.device)
+            rows = torch.as_tensor(members, device=self.device)
             span = _as_range(members)
             if span is None:  # train a copy of the rows, then write it back
                 block = start.index_select(0, rows)
             else:  # train in place in the output
                 block = out[span]
                 block.copy_(start[span])
-            if plain_sgd and deferral > 1:
+            if full_batch:  # every step on all samples: IFCA's full-batch steps
+                x, y, gram = self._full_batches(clients[members], weight.shape[2])
+                total = kernel.sgd_full_batch(
+                    block, x, y, weight, cfg.lr, gram, self._features, start.stride(0) == 0
+                )
+            elif plain_sgd and deferral > 1:
                 total = kernel.sgd_deferred(
                     block,
                     self._grams.samples,
@@ -481,7 +499,7 @@ class Simulator(ClientClock):
                 step = (group_steps or plain_steps)(members)
                 params = kernel.unpack(block)
                 anchors = kernel.unpack(block) if cfg.mu > 0.0 else None
-                total = torch.zeros(len(members))
+                total = torch.zeros(len(members), device=self.device)
                 for s in range(idx.shape[1]):
                     total += step(params, s, idx[:, s], weight[:, s], anchors)
                 kernel.pack(params, block)
@@ -489,7 +507,7 @@ class Simulator(ClientClock):
                 out.index_copy_(0, rows, block)
             m_steps = steps[members]
             losses[members] = torch.where(
-                m_steps > 0, total / m_steps.clamp(min=1), losses[members]
+                m_steps > 0, total.cpu() / m_steps.clamp(min=1), losses[members]
             )
 
         # Clients with similar step counts share a group, so little work is padding.
@@ -499,6 +517,25 @@ class Simulator(ClientClock):
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
         _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
+
+    def _full_batches(
+        self, clients: np.ndarray, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each client's whole training data in stored order, padded to ``width`` rows
+        (padding repeats its first sample): inputs [G, width, f], labels [G, width]
+        and Gram matrices [G, width, width] (zero on padding), for
+        :meth:`MLPKernel.sgd_full_batch`."""
+        off = self.federation.train_offsets
+        idx = torch.empty(len(clients), width, dtype=torch.int64, device=self.device)
+        gram = torch.zeros(len(clients), width, width, device=self.device)
+        keep = self._grams.suits(width)
+        for g, c in enumerate(np.asarray(clients).tolist()):
+            lo, n = int(off[c]), int(off[c + 1] - off[c])
+            idx[g] = lo
+            idx[g, :n] = torch.arange(lo, lo + n, device=self.device)
+            gram[g, :n, :n] = self._grams.client(c) if keep else self._grams.compute(c)
+        x = self._grams.samples.index_select(0, idx.view(-1)).view(len(clients), width, -1)
+        return x, self.federation.y_train[idx], gram
 
     # ------------------------------------------------------- losses and grads
     def losses_and_grads(
@@ -522,8 +559,10 @@ class Simulator(ClientClock):
             batches = self._decision_batches(clients, cfg, rnd, purpose)
             losses = torch.empty(len(clients), k)
             grads = torch.empty(len(clients), k, self.layout.dim) if with_grads else None
+            models = models.to(self.device)
             params = self.kernel.unpack(models) if self.kernel is not None else None
             for i, idx in enumerate(batches):
+                idx = idx.to(self.device)
                 y = self.federation.y_train[idx]
                 if self.kernel is not None:
                     xs, ys, weight = _replicate_batch(self._x_flat[idx], y, k)
@@ -564,8 +603,10 @@ class Simulator(ClientClock):
             sq = torch.empty(len(clients), k, dtype=torch.float64)
             dot = torch.empty(len(clients), k, dtype=torch.float64)
             if self.kernel is not None:
-                params, dirs = self.kernel.unpack(models), self.kernel.unpack(directions)
+                params = self.kernel.unpack(models.to(self.device))
+                dirs = self.kernel.unpack(directions.to(self.device))
             for i, idx in enumerate(batches):
+                idx = idx.to(self.device)
                 y = self.federation.y_train[idx]
                 if self.kernel is not None:
                     xs, ys, weight = _replicate_batch(self._x_flat[idx], y, k)
@@ -619,17 +660,17 @@ class Simulator(ClientClock):
                 members = np.flatnonzero(model_of_client == m)
                 idx = torch.cat(
                     [torch.arange(off[clients[i]], off[clients[i] + 1]) for i in members]
-                )
+                ).to(self.device)
                 if len(idx) == 0:
                     continue
                 owner = np.repeat(members, count[members])
                 for s in range(0, len(idx), 8192):
                     part = idx[s : s + 8192]
-                    logits = self.layout.forward(rows[m], x_all[part])
+                    logits = self.layout.forward(rows[m].to(self.device), x_all[part])
                     y = y_all[part]
                     own = owner[s : s + 8192]
-                    hit = (logits.argmax(dim=1) == y).numpy()
-                    nll = F.cross_entropy(logits, y, reduction="none").double().numpy()
+                    hit = (logits.argmax(dim=1) == y).cpu().numpy()
+                    nll = F.cross_entropy(logits, y, reduction="none").double().cpu().numpy()
                     np.add.at(correct, own, hit.astype(np.int64))
                     np.add.at(loss_sum, own, nll)
         return EvalResult(correct, count, loss_sum)
@@ -713,7 +754,7 @@ def _replicate_batch(
     x: torch.Tensor, y: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One client's batch as a group of ``k`` identical members for the kernel."""
-    weight = torch.full((k, len(y)), 1.0 / len(y))
+    weight = torch.full((k, len(y)), 1.0 / len(y), device=x.device)
     return x.unsqueeze(0).expand(k, -1, -1), y.view(1, -1).expand(k, -1), weight
 
 

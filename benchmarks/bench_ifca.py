@@ -1,0 +1,237 @@
+"""IFCA's 2,400-client rotated-MNIST round: fedcluster vs a loop written like IFCA's code.
+
+The workload of the preset ``ifca-rotated-mnist`` (Ghosh et al. 2020, reference
+code ``mnist/train_cluster_mnist.py``): m clients in 4 rotation groups (default
+600 per group, 100 MNIST images each), MLP 784-200-10, K = 4 cluster models,
+tau = 10 full-batch steps at lr 0.1. One IFCA round is timed part by part:
+
+1. choice: every client's loss under each of the K models on its whole
+   training set (``IFCA`` with ``choice_batches: all``);
+2. training: ``Simulator.train`` from each client's chosen model (the
+   full-batch kernel route, :meth:`MLPKernel.sgd_full_batch`);
+3. aggregation: the per-cluster average;
+4. evaluation: the own-loss test protocol (every client's test chunk under
+   every model, :func:`fedcluster.algorithms.evaluation.own_loss_evaluate`).
+
+Against it, in the same process, the same round written the way IFCA's reference
+code works: per client, the K models evaluated one by one (``loss.item()``,
+correct counts), a ``copy.deepcopy`` of the chosen model trained with autograd
+and a manual parameter update, the updates averaged per cluster from
+``named_parameters``, and the test clients evaluated one by one. With
+``--ref-clients`` smaller than m the loop runs on that many clients (every
+group equally) and its time is scaled linearly to m (stated in the output).
+The script checks that both rounds give the same cluster models.
+
+Load matters on a shared machine: the output records ``os.getloadavg()``
+before and after; compare only ratios from one run.
+
+    python benchmarks/bench_ifca.py --out ifca.json            # the full 2,400 clients
+    python benchmarks/bench_ifca.py --clients-per-group 30 --ref-clients 120   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedcluster.algorithms.aggregation import cluster_average
+from fedcluster.algorithms.base import Context
+from fedcluster.algorithms.evaluation import own_loss_evaluate
+from fedcluster.config import resolve_config
+from fedcluster.data.federation import Federation
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.client_computations import LOSSES
+from fedcluster.engine.computation import Request
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.simulator import Simulator
+from fedcluster.models import build_model
+from fedcluster.runner import build_federation_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(clients_per_group: int, data_dir: str) -> tuple[Federation, object]:
+    sets = [
+        f"data.data_dir={data_dir}",
+        f"data.partition.base_options.n_clients={clients_per_group}",
+        f"data.partition.test_clients={min(100, clients_per_group)}",
+    ]
+    cfg = resolve_config(preset="ifca-rotated-mnist", sets=sets)
+    return build_federation_for(cfg, 0), cfg
+
+
+def _parts(*stamps: float) -> dict[str, float]:
+    """Seconds of the round's parts from the time stamps between them."""
+    names = ("choice_s", "train_s", "aggregate_s", "evaluate_s")
+    out = {n: b - a for n, a, b in zip(names, stamps, stamps[1:], strict=False)}
+    return out | {"round_s": stamps[-1] - stamps[0]}
+
+
+def fast_round(sim: Simulator, models: torch.Tensor, cfg, rnd: int) -> dict:
+    """One IFCA round on the simulator, part by part; returns times and new models."""
+    clients = np.arange(sim.federation.n_clients)
+    train = LocalTraining(**cfg.train.model_dump())
+    ctx = Context.for_backend(sim, train, 0, models[0])
+    t0 = time.perf_counter()
+    request = Request(
+        shared={"models": models}, settings={"train": train, "round": rnd, "batches": "all"}
+    )
+    choice = ctx.ask(LOSSES, clients, request, rnd)["losses"].numpy().argmin(axis=1)
+    t1 = time.perf_counter()
+    trained = sim.train(clients, models[choice], train, rnd)
+    t2 = time.perf_counter()
+    new = cluster_average(trained.rows, choice, models)
+    t3 = time.perf_counter()
+    result, _ = own_loss_evaluate(ctx, clients, new, rnd)
+    t4 = time.perf_counter()
+    accuracy = float(result.correct.sum() / result.count.sum())
+    return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": choice, "accuracy": accuracy}
+
+
+def reference_round(
+    model: nn.Module,
+    fed: Federation,
+    models: torch.Tensor,
+    clients: np.ndarray,
+    lr: float,
+    tau: int,
+) -> dict:
+    """The round as IFCA's reference code writes it (one module per model, loops per client)."""
+    layout = ParamLayout(model)
+    k = models.shape[0]
+    nets = []
+    for j in range(k):
+        net = copy.deepcopy(model)
+        layout.load_into(net, models[j])
+        nets.append(net)
+    t0 = time.perf_counter()
+    choice = []
+    with torch.no_grad():  # get_inference_stats(train=True)
+        for c in clients:
+            sl = fed.client_slice(int(c))
+            x, y = fed.x_train[sl], fed.y_train[sl]
+            losses = []
+            for j in range(k):
+                logits = nets[j](x)
+                losses.append(F.cross_entropy(logits, y).item())
+                _ = (logits.argmax(1) == y).sum().item()
+            choice.append(int(np.argmin(losses)))
+    t1 = time.perf_counter()
+    updated = []
+    for c, j in zip(clients, choice, strict=True):  # train(cluster_assign, lr)
+        sl = fed.client_slice(int(c))
+        x, y = fed.x_train[sl], fed.y_train[sl]
+        local = copy.deepcopy(nets[j])
+        for _ in range(tau):
+            loss = F.cross_entropy(local(x), y)
+            local.zero_grad()
+            loss.backward()
+            for p in local.parameters():
+                p.data -= lr * p.grad
+        updated.append(local)
+    t2 = time.perf_counter()
+    new = models.clone()
+    for j in range(k):  # global_param_update
+        members = [m for m, cj in zip(updated, choice, strict=True) if cj == j]
+        if not members:
+            continue
+        sums: dict[str, torch.Tensor] = {}
+        for m in members:
+            for name, p in m.named_parameters():
+                sums[name] = sums.get(name, 0) + p.data
+        for name, p in nets[j].named_parameters():
+            p.data = sums[name] / len(members)
+        new[j] = layout.flatten(nets[j])
+    t3 = time.perf_counter()
+    with torch.no_grad():  # get_inference_stats(train=False): the distinct test clients
+        seen = set()
+        for c in clients:
+            sl = fed.client_slice(int(c), "test")
+            key = (sl.start, sl.stop)
+            if key in seen:
+                continue
+            seen.add(key)
+            x, y = fed.x_test[sl], fed.y_test[sl]
+            for j in range(k):
+                logits = nets[j](x)
+                _ = F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).sum().item()
+    t4 = time.perf_counter()
+    return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": np.array(choice)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients-per-group", type=int, default=600)
+    p.add_argument("--ref-clients", type=int, default=None, help="reference loop on fewer clients")
+    p.add_argument("--rounds", type=int, default=3, help="timed simulator rounds (median)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--data-dir", default=os.environ.get("FEDCLUSTER_DATA", str(REPO.parent / "shared/data"))
+    )
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    fed, cfg = build(args.clients_per_group, args.data_dir)
+    model = build_model("mlp", fed.input_shape, fed.n_classes, hidden=[200])
+    layout = ParamLayout(model)
+    gen = torch.Generator().manual_seed(0)
+    models = torch.stack(
+        [layout.flatten(build_model("mlp", fed.input_shape, 10, hidden=[200])) for _ in range(4)]
+    )
+    del gen
+    sim = Simulator(model, fed, seed=0)
+    fast = [fast_round(sim, models, cfg, 1) for _ in range(args.rounds)]
+    m = fed.n_clients
+    per = args.ref_clients // 4 if args.ref_clients else m // 4
+    group = m // 4
+    subset = np.concatenate([np.arange(g * group, g * group + per) for g in range(4)])
+    ref = reference_round(model, fed, models, subset, cfg.train.lr, cfg.train.steps)
+    scale = m / len(subset)
+    # Same round from the same models: the reference on its subset must match the
+    # simulator's choices and, when it ran on all clients, its cluster models.
+    assert np.array_equal(ref["choice"], fast[0]["choice"][subset]), "choices differ"
+    diff = None
+    if len(subset) == m:
+        diff = float((ref["models"] - fast[0]["models"]).abs().max())
+        assert diff <= 1e-3, f"cluster models differ by {diff}"
+    keys = ("choice_s", "train_s", "aggregate_s", "evaluate_s", "round_s")
+    sim_t = {k: statistics.median(f[k] for f in fast) for k in keys}
+    ref_t = {k: ref[k] * scale for k in keys}
+    out = {
+        "clients": m,
+        "threads": torch.get_num_threads(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "simulator": sim_t,
+        "reference_loop": ref_t,
+        "reference_clients_timed": len(subset),
+        "reference_scaled_by": scale,
+        "speedup_round": ref_t["round_s"] / sim_t["round_s"],
+        "max_model_difference": diff,
+        "accuracy_after_round": fast[0]["accuracy"],
+    }
+    print(f"{m} clients, {out['threads']} threads, load {load_before} -> {out['loadavg_after']}")
+    print(f"{'part':<12}{'simulator s':>14}{'IFCA-style loop s':>20}{'ratio':>8}")
+    for k in keys:
+        print(f"{k[:-2]:<12}{sim_t[k]:>14.3f}{ref_t[k]:>20.3f}{ref_t[k] / sim_t[k]:>8.1f}")
+    if scale != 1:
+        print(f"(loop timed on {len(subset)} clients, scaled by {scale:.1f})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
