@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from fedcluster.algorithms import ALGORITHMS, Context
 from fedcluster.algorithms.base import Algorithm, Comm, init_row
+from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.config import (
     AlgorithmSpec,
     ExperimentConfig,
@@ -210,7 +211,8 @@ class Experiment:
     """A configured experiment: one federation per seed, each algorithm run on it.
 
     Pass ``model`` (any ``nn.Module``) and/or ``federation`` to use your own
-    instead of the config's preset model and dataset.
+    instead of the config's preset model and dataset, and ``callbacks``
+    (:class:`fedcluster.callbacks.Callback`) to see each round's metrics row.
     """
 
     def __init__(
@@ -218,10 +220,12 @@ class Experiment:
         config: ExperimentConfig,
         model: nn.Module | None = None,
         federation: Federation | None = None,
+        callbacks: list[Callback] | None = None,
     ) -> None:
         self.config = config
         self._model = model
         self._federation = federation
+        self.callbacks = list(callbacks or [])
 
     def federation(self, seed: int) -> Federation:
         if self._federation is not None:
@@ -432,6 +436,10 @@ class Experiment:
                 rundir.diagnostics,
                 [[label, seed, rnd, k, repr(float(v))] for k, v in diagnostics.items()],
             )
+        if self.callbacks:
+            job = JobInfo(RunInfo(rundir.path, cfg), label, seed)
+            for callback in self.callbacks:
+                callback.on_round_end(job, rnd, row, state)
         if assign is not None:
             groups = federation.groups
             rundir.append(
@@ -506,8 +514,11 @@ def resume(
     out: str | Path,
     progress: bool = True,
     experiment_factory: Callable[[ExperimentConfig], Experiment] = Experiment,
+    callbacks: list[Callback] | None = None,
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config."""
     path = Path(out)
     config = validate_config(load_yaml(path / "config.yaml"))
-    return experiment_factory(config).run(path, resume=True, progress=progress)
+    experiment = experiment_factory(config)
+    experiment.callbacks += callbacks or []
+    return experiment.run(path, resume=True, progress=progress)
