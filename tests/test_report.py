@@ -36,7 +36,11 @@ _BASE = {
     },
     "model": {"name": "mlp", "options": {"hidden": [16]}},
     "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-    "algorithms": [{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": 2}}],
+    "algorithms": [
+        {"name": "fedavg"},
+        {"name": "ifca", "params": {"n_clusters": 2}},
+        {"name": "cflgt", "params": {"pretrain_rounds": 1, "cluster_fraction": None}},
+    ],
 }
 _DYNAMIC = {
     "privacy": {"mode": "client", "epsilon": 10},
@@ -46,7 +50,15 @@ _DYNAMIC = {
         "drift": [{"kind": "rotate", "rounds": [3], "clients": [4], "angle": 90}],
     },
 }
-STATIC_SECTIONS = {"summary", "accuracy", "clustering", "clusters", "communication", "config"}
+STATIC_SECTIONS = {
+    "summary",
+    "accuracy",
+    "clustering",
+    "clusters",
+    "communication",
+    "diagnostics",
+    "config",
+}
 
 
 def _run_cli(tmp: Path, name: str, raw: dict, *extra: str, capsys=None) -> tuple[Path, str]:
@@ -147,7 +159,9 @@ def test_comparison_of_two_runs_is_one_report(static_run, dynamic_run, tmp_path,
     html = (tmp_path / "report.html").read_text()
     assert "<h3>static</h3>" in html and "<h3>dynamic</h3>" in html  # one table per run
     legend = [e.name for e in entries([load_run(static_run), load_run(dynamic_run)])]
-    assert legend == ["static: fedavg", "static: ifca", "dynamic: fedavg", "dynamic: ifca"]
+    assert legend == [
+        f"{run}: {alg}" for run in ("static", "dynamic") for alg in ("fedavg", "ifca", "cflgt")
+    ]
     assert {"privacy", "events"} <= _sections(html)
     assert sum(s.startswith("config") for s in _sections(html)) == 2
     assert main(["report", str(static_run), str(dynamic_run)]) == 2  # several runs need --out

@@ -82,7 +82,7 @@ def _band(ax, entry: Entry, column: str, scale: float = 1.0) -> bool:
 
 def _legend(fig: Figure, axes) -> None:
     handles, names = [], []
-    for ax in np.atleast_1d(axes):
+    for ax in np.ravel(axes):
         for h, n in zip(*ax.get_legend_handles_labels(), strict=True):
             if n not in names:
                 handles.append(h)
@@ -91,7 +91,7 @@ def _legend(fig: Figure, axes) -> None:
         fig.legend(
             handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8
         )
-    for ax in np.atleast_1d(axes):
+    for ax in np.ravel(axes):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
