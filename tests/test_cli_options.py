@@ -19,6 +19,7 @@ from fedcluster.cli import _overrides, build_parser, main
 from fedcluster.config import resolve_config
 from fedcluster.errors import ConfigError
 from fedcluster.overrides import run_slug
+from tests.helpers import digits_config
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedcluster"
 
@@ -111,19 +112,7 @@ def test_sweep_gives_one_labelled_entry_per_combination():
 
 def test_compare_sweep_of_jgl_lambda_runs_into_one_report(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "name": "tiny",
-                "rounds": 2,
-                "data": {
-                    "dataset": "digits",
-                    "partition": {"name": "iid", "n_clients": 4, "test_fraction": 0.2},
-                },
-                "model": {"name": "mlp", "options": {"hidden": [8]}},
-            }
-        )
-    )
+    config.write_text(yaml.safe_dump(digits_config("tiny", rounds=2)))
     out = tmp_path / "run"
     args = [
         "compare",

@@ -21,6 +21,7 @@ from fedcluster.errors import ConfigError  # noqa: E402
 from fedcluster.flower.backend import FlowerClientError, _receive  # noqa: E402
 from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
+from tests.helpers import rotation_config  # noqa: E402
 
 SMALL = {
     "ifca": {"n_clusters": 2},
@@ -32,20 +33,7 @@ SMALL = {
 }
 SMALL_IFCA = {"name": "ifca", "params": SMALL["ifca"]}
 CONFIG = {
-    "name": "flower-vs-simulator",
-    "seeds": [0],
-    "rounds": 3,
-    "data": {
-        "dataset": "mnist5k",
-        "partition": {
-            "name": "rotation",
-            "n_groups": 2,
-            "base": "iid",
-            "base_options": {"n_clients": 6, "test_fraction": 0.2},
-        },
-    },
-    "model": {"name": "mlp", "options": {"hidden": [32]}},
-    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    **rotation_config("flower-vs-simulator"),
     "participation": {"fraction": 0.5},
     "algorithms": [  # every algorithm, with its clustering early enough to happen in 3 rounds
         {"name": name, "params": SMALL.get(name, {})} for name in sorted(ALGORITHMS)

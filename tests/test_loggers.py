@@ -10,17 +10,11 @@ import pytest
 from fedcluster.callbacks import Callback
 from fedcluster.config import validate_config
 from fedcluster.runner import Experiment
+from tests.helpers import digits_config
 
-_CONFIG = {
-    "name": "log",
-    "rounds": 3,
-    "data": {
-        "dataset": "digits",
-        "partition": {"name": "iid", "n_clients": 4, "test_fraction": 0.2},
-    },
-    "model": {"name": "mlp", "options": {"hidden": [8]}},
-    "algorithms": [{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": 2}}],
-}
+_CONFIG = digits_config(
+    "log", rounds=3, algorithms=[{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": 2}}]
+)
 
 
 def _metrics(path) -> dict[tuple[str, int], dict[str, str]]:

@@ -21,21 +21,10 @@ from fedcluster.cli import main
 from fedcluster.reporting import write_report
 from fedcluster.reporting.figures import entries
 from fedcluster.reporting.rundata import load_run
+from tests.helpers import rotation_config
 
 _BASE = {
-    "seeds": [0],
-    "rounds": 3,
-    "data": {
-        "dataset": "mnist5k",
-        "partition": {
-            "name": "rotation",
-            "n_groups": 2,
-            "base": "iid",
-            "base_options": {"n_clients": 6, "test_fraction": 0.2},
-        },
-    },
-    "model": {"name": "mlp", "options": {"hidden": [16]}},
-    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    **rotation_config("base", hidden=16),
     "algorithms": [
         {"name": "fedavg"},
         {"name": "ifca", "params": {"n_clusters": 2}},
@@ -63,7 +52,7 @@ STATIC_SECTIONS = {
 
 def _run_cli(tmp: Path, name: str, raw: dict, *extra: str, capsys=None) -> tuple[Path, str]:
     config = tmp / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({"name": name, **raw}))
+    config.write_text(yaml.safe_dump({**raw, "name": name}))
     out = tmp / name
     assert main(["run", str(config), "--quiet", "--out", str(out), *extra]) == 0
     return out, capsys.readouterr().out if capsys is not None else ""

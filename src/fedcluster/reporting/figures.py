@@ -95,6 +95,18 @@ def _legend(fig: Figure, axes) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _grid(n: int, height: float) -> tuple[Figure, np.ndarray]:
+    """A figure with ``n`` panels, at most three a row (unused panels hidden)."""
+    ncols = min(3, n)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(4.2 * ncols, height * nrows), squeeze=False, constrained_layout=True
+    )
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    return fig, axes
+
+
 def accuracy(items: list[Entry]) -> Figure | None:
     """Pooled test accuracy per round (mean, min–max band over seeds) and client mean ± std."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
@@ -159,13 +171,7 @@ def heatmaps(items: list[Entry]) -> Figure | None:
             jobs.append((e, seed, e.run.clusters[(e.label, seed)]))
     if not jobs:
         return None
-    ncols = min(3, len(jobs))
-    nrows = -(-len(jobs) // ncols)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False, constrained_layout=True
-    )
-    for ax in axes.flat[len(jobs) :]:
-        ax.axis("off")
+    fig, axes = _grid(len(jobs), 3.2)
     for ax, (e, seed, c) in zip(axes.flat, jobs, strict=False):
         order = np.lexsort((c["clients"], c["groups"]))
         assign, groups = c["assign"][order], c["groups"][order]
@@ -289,13 +295,7 @@ def diagnostics(items: list[Entry]) -> Figure | None:
     names = sorted({k[2] for e in items for k in e.run.diagnostics if k[0] == e.label})
     if not names:
         return None
-    ncols = min(3, len(names))
-    nrows = -(-len(names) // ncols)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False, constrained_layout=True
-    )
-    for ax in axes.flat[len(names) :]:
-        ax.axis("off")
+    fig, axes = _grid(len(names), 3.0)
     for ax, name in zip(axes.flat, names, strict=False):
         for e in items:
             series = [
