@@ -57,7 +57,8 @@ def build_sections(runs: list[RunData]) -> list[Section]:
             "Cluster assignments",
             figures.heatmaps(items),
             "One row per client, sorted by true group (black lines between groups); the colour is "
-            "the cluster the client is in at each round. Groups that share a colour were merged; "
+            "the cluster the client is in at each round (white: in no cluster: absent, or before "
+            "the algorithm clustered). Groups that share a colour were merged; "
             "a group with several colours was split.",
         ),
         (
