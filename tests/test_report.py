@@ -212,3 +212,17 @@ def test_report_opens_in_headless_chromium(dynamic_run, tmp_path):
     assert seen == {"images": n_images, "loaded": n_images} and n_images >= 6
     console = [line for line in result.stderr.splitlines() if "CONSOLE" in line]
     assert not [line for line in console if "ERROR" in line or "Uncaught" in line], console
+
+
+def test_resume_ends_with_the_report(tmp_path, capsys):
+    from fedcluster.config import validate_config
+    from fedcluster.runner import Experiment
+
+    out = tmp_path / "cut"
+    config = validate_config({**_BASE, "name": "cut", "checkpoint_every": 1})
+    Experiment(config).run(out, progress=False, stop_after_round=2)
+    assert not (out / "report.html").exists()
+    assert main(["resume", str(out), "--quiet"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"report: {out / 'report.html'}"
+    assert load_run(out).column("ifca", "accuracy")[0].tolist() == [1, 2, 3]
