@@ -5,12 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.algorithms.base import Comm, Context, init_row
+from fedcluster.algorithms.base import Context, init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+
+FLOAT_BYTES = 4  # parameters travel as float32
+INT_BYTES = 4  # sample counts and cluster ids travel as int32
 
 
 def rotated_digits(
@@ -53,13 +56,8 @@ def make_context(
 ) -> Context:
     model = build_model(model_name, federation.input_shape, federation.n_classes, **model_options)
     sim = Simulator(model, federation, seed=seed)
-    return Context(
-        sim=sim,
-        train=train or LocalTraining(lr=0.1, batch_size=16),
-        seed=seed,
-        init_row=init_row(model, seed, "init"),
-        comm=Comm(),
-    )
+    train = train or LocalTraining(lr=0.1, batch_size=16)
+    return Context.for_backend(sim, train, seed, init_row(model, seed, "init"))
 
 
 def rotation_config(name: str, hidden: int = 32) -> dict:
@@ -96,3 +94,4 @@ def digits_config(name: str, rounds: int, algorithms: list[dict] | None = None) 
     if algorithms is not None:
         config["algorithms"] = algorithms
     return config
+

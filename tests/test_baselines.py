@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES
 from fedcluster.algorithms.fedavg import FedAvg, FedAvgFT, FedProx
 from fedcluster.algorithms.local import LocalOnly
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import weighted_average
-from tests.helpers import make_context, rotated_digits
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 
 def test_fedavg_round_is_sample_weighted_average_of_local_models():
@@ -19,14 +18,14 @@ def test_fedavg_round_is_sample_weighted_average_of_local_models():
     alg = FedAvg(FedAvg.Params(), ctx)
     state = alg.init_state()
     selected = np.array([0, 2, 3])
-    start = state["global"].clone()
+    start = state.global_model.clone()
     alg.run_round(state, 1, selected)
-    local = ctx.sim.train(selected, start, ctx.train, 1).rows
+    local = ctx.channel.backend.train(selected, start, ctx.train, 1).rows
     expected = weighted_average(local, torch.as_tensor(fed.train_sizes[selected]))
-    assert torch.allclose(state["global"], expected)
+    assert torch.allclose(state.global_model, expected)
     d = ctx.dim
-    assert ctx.comm.down == 3 * d * FLOAT_BYTES
-    assert ctx.comm.up == 3 * (d * FLOAT_BYTES + INT_BYTES)
+    assert ctx.channel.traffic.down == 3 * d * FLOAT_BYTES
+    assert ctx.channel.traffic.up == 3 * (d * FLOAT_BYTES + INT_BYTES)
 
 
 def test_fedavg_learns_and_is_deterministic():
@@ -54,9 +53,11 @@ def test_fedprox_pulls_towards_the_global_model():
     ):
         ctx = make_context(fed, hidden=[16])
         start = ctx.init_row
-        rows = ctx.sim.train(np.arange(8), start, ctx.local(mu=params.mu, epochs=3), 1).rows
+        rows = ctx.channel.backend.train(
+            np.arange(8), start, ctx.local(mu=params.mu, epochs=3), 1
+        ).rows
         drift[name] = (rows - start).norm(dim=1).mean().item()
-        assert alg_cls(params, ctx).init_state()["global"].shape == start.shape
+        assert alg_cls(params, ctx).init_state().global_model.shape == start.shape
     assert drift["fedprox"] < drift["fedavg"]
 
 
@@ -68,9 +69,9 @@ def test_fedavg_ft_personalises_only_the_classifier_and_sends_nothing_extra():
     for rnd in range(1, 4):
         alg.run_round(state, rnd, np.arange(fed.n_clients))
     plain = FedAvg.evaluate(alg, state, 3)
-    ctx.comm.up = ctx.comm.down = 0
+    ctx.channel.traffic.up = ctx.channel.traffic.down = 0
     tuned = alg.evaluate(state, 3)
-    assert ctx.comm.up == ctx.comm.down == 0
+    assert ctx.channel.traffic.up == ctx.channel.traffic.down == 0
     assert tuned.correct.sum() > plain.correct.sum()
 
 
@@ -84,4 +85,4 @@ def test_local_training_keeps_one_model_per_client_and_communicates_nothing():
     assert torch.equal(rows[0], ctx.init_row) and torch.equal(rows[2], ctx.init_row)
     assert not torch.equal(rows[1], ctx.init_row)
     assert list(which) == [0, 1, 2, 3]
-    assert ctx.comm.up == ctx.comm.down == 0
+    assert ctx.channel.traffic.up == ctx.channel.traffic.down == 0

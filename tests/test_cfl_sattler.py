@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES
 from fedcluster.algorithms.cfl import CFL
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 N_GROUPS = 4
 PER_GROUP = 5
@@ -60,18 +59,18 @@ def test_second_level_splits_recover_all_groups_with_real_ids(permuted):
     alg = make_cfl(permuted, warmup_rounds=1, min_cluster_size=3, **ALWAYS)
     state, _ = run(alg, 6)
     truth = {frozenset(np.flatnonzero(permuted.groups == g).tolist()) for g in range(N_GROUPS)}
-    assert as_sets(state["clusters"]) == truth
-    assert len(state["split_rounds"]) == N_GROUPS - 1 and min(state["split_rounds"]) == 2
+    assert as_sets(state.clusters) == truth
+    assert len(state.split_rounds) == N_GROUPS - 1 and min(state.split_rounds) == 2
     labels = alg.clusters(state)
     assert all(len(set(permuted.groups[labels == c])) == 1 for c in range(N_GROUPS))
-    assert state["models"].shape == (N_GROUPS, alg.ctx.dim)
+    assert state.models.shape == (N_GROUPS, alg.ctx.dim)
     assert alg.evaluate(state, 6).accuracy.mean() > 0.5
 
 
 def test_min_cluster_size_is_respected(permuted):
     alg = make_cfl(permuted, warmup_rounds=1, min_cluster_size=2 * PER_GROUP, **ALWAYS)
     state, _ = run(alg, 5)
-    assert [len(c) for c in state["clusters"]] == [2 * PER_GROUP, 2 * PER_GROUP]
+    assert [len(c) for c in state.clusters] == [2 * PER_GROUP, 2 * PER_GROUP]
 
 
 @pytest.mark.parametrize(
@@ -85,34 +84,36 @@ def test_min_cluster_size_is_respected(permuted):
 )
 def test_split_criteria_block_splits(permuted, params):
     state, _ = run(make_cfl(permuted, **params), 4)
-    assert len(state["clusters"]) == 1 and state["split_rounds"] == []
+    assert len(state.clusters) == 1 and state.split_rounds == []
 
 
 def test_update_norms_are_reported(permuted):
     alg = make_cfl(permuted)
     state, _ = run(alg, 1)
-    mean_norm, max_norm = state["update_norms"][0]
+    mean_norm, max_norm = state.update_norms[0]
     assert 0.0 < mean_norm < max_norm
 
 
 def test_partial_participation_never_splits_an_incomplete_cluster(permuted):
     selected = np.arange(permuted.n_clients - 1)
     state, _ = run(make_cfl(permuted, warmup_rounds=0, **ALWAYS), 3, selected)
-    assert len(state["clusters"]) == 1
+    assert len(state.clusters) == 1
 
 
 def test_bytes_and_determinism(permuted):
     alg = make_cfl(permuted, seed=4, warmup_rounds=1, min_cluster_size=3, **ALWAYS)
     state, losses = run(alg, 3)
     n, dim = permuted.n_clients, alg.ctx.dim  # the Comm counts all 3 rounds here
-    assert alg.ctx.comm.down == 3 * n * dim * FLOAT_BYTES
-    assert alg.ctx.comm.up == 3 * n * (dim * FLOAT_BYTES + INT_BYTES)  # update and sample count
+    assert alg.ctx.channel.traffic.down == 3 * n * dim * FLOAT_BYTES
+    assert alg.ctx.channel.traffic.up == 3 * n * (
+        dim * FLOAT_BYTES + INT_BYTES
+    )  # update and sample count
     again, losses_again = run(
         make_cfl(permuted, seed=4, warmup_rounds=1, min_cluster_size=3, **ALWAYS), 3
     )
     assert losses == losses_again
-    assert torch.equal(state["models"], again["models"])
-    assert as_sets(state["clusters"]) == as_sets(again["clusters"])
+    assert torch.equal(state.models, again.models)
+    assert as_sets(state.clusters) == as_sets(again.clusters)
 
 
 def test_cluster_average_and_eval_fallback():

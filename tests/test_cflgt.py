@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Comm
-from fedcluster.algorithms.cflgt import CFLGT
+from fedcluster.algorithms.cflgt import CFLGT, CFLGTState
+from fedcluster.algorithms.channel import Traffic
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import Split
@@ -16,7 +16,7 @@ from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.errors import ConfigError
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 # Scenario 1 of CFLGT Sec. V-A: 5 label pairs (two of them share a label).
 PAIRS = [(0, 1), (1, 3), (2, 5), (4, 7), (6, 8)]
@@ -151,9 +151,9 @@ def test_cflgt_finds_the_five_groups(scenario1):
     run_rounds(alg, state, range(1, 3), np.arange(20))
     labels = alg.clusters(state)
     assert labels.max() + 1 == 5 and ari(scenario1.groups, labels) == 1.0
-    assert state["trajectories"].shape == (20, 10, 2)
-    assert state["hopkins"] > 0.75
-    assert state["cv"].shape == (2,) and np.all(state["cv"] > 0.0)
+    assert state.trajectories.shape == (20, 10, 2)
+    assert state.hopkins > 0.75
+    assert state.cv.shape == (2,) and np.all(state.cv > 0.0)
 
 
 def test_without_normalisation_data_size_misleads(mnist):
@@ -175,7 +175,7 @@ def test_hopkins_and_cv_tell_iid_from_label_skew(mnist):
         alg = CFLGT(CFLGT.Params(pretrain_rounds=0), make_context(fed, **MLP))
         state = alg.init_state()
         alg.run_round(state, 1, np.arange(20))
-        stats[name] = (state["hopkins"], state["cv"], alg.clusters(state).max() + 1)
+        stats[name] = (state.hopkins, state.cv, alg.clusters(state).max() + 1)
     assert stats["iid"][2] > 1 and stats["iid"][0] < 0.75 < stats["pairs"][0]
     assert np.all(stats["iid"][1] < stats["pairs"][1])
 
@@ -193,41 +193,51 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
     selected = np.array([1, 4, 7])
     # Round 1: FedAvg with the runner's selection.
     alg.run_round(state, 1, selected)
-    assert (ctx.comm.down, ctx.comm.up) == (3 * d * FLOAT_BYTES, 3 * (d * FLOAT_BYTES + INT_BYTES))
+    assert (ctx.channel.traffic.down, ctx.channel.traffic.up) == (
+        3 * d * FLOAT_BYTES,
+        3 * (d * FLOAT_BYTES + INT_BYTES),
+    )
     assert np.all(alg.clusters(state) == -1)
     rows, model_of = alg.eval_rows(state)
-    assert torch.equal(rows, state["global"][None]) and np.all(model_of == 0)
+    assert torch.equal(rows, state.global_model[None]) and np.all(model_of == 0)
     # Round 2: every client receives the model and uploads 2·C floats; nobody trains.
-    ctx.comm = Comm()
-    pretrained = state["global"].clone()
+    ctx.channel.traffic = Traffic()
+    pretrained = state.global_model.clone()
     assert np.isnan(alg.run_round(state, 2, selected))
-    assert ctx.comm.up == n * 2 * c * FLOAT_BYTES and ctx.comm.down == n * d * FLOAT_BYTES
+    assert (
+        ctx.channel.traffic.up == n * 2 * c * FLOAT_BYTES
+        and ctx.channel.traffic.down == n * d * FLOAT_BYTES
+    )
     labels = alg.clusters(state)
-    assert torch.equal(state["models"], pretrained.expand(5, -1))
+    assert torch.equal(state.models, pretrained.expand(5, -1))
     # Round 3: 20% of all clients (4), drawn by CFLGT, train their cluster's model.
-    ctx.comm = Comm()
+    ctx.channel.traffic = Traffic()
     alg.run_round(state, 3, selected)
-    assert (ctx.comm.down, ctx.comm.up) == (4 * d * FLOAT_BYTES, 4 * (d * FLOAT_BYTES + INT_BYTES))
+    assert (ctx.channel.traffic.down, ctx.channel.traffic.up) == (
+        4 * d * FLOAT_BYTES,
+        4 * (d * FLOAT_BYTES + INT_BYTES),
+    )
     trained = alg.participants(state, 3, selected)
     assert len(trained) == 4 and not set(trained) <= set(selected)
     for k in range(5):
         members = trained[labels[trained] == k]
         if len(members) == 0:
-            assert torch.equal(state["models"][k], pretrained)
+            assert torch.equal(state.models[k], pretrained)
             continue
-        local = ctx.sim.train(members, pretrained, ctx.train, 3).rows
+        local = ctx.channel.backend.train(members, pretrained, ctx.train, 3).rows
         sizes = torch.as_tensor(equal_scenario.train_sizes[members])
-        assert torch.allclose(state["models"][k], weighted_average(local, sizes), atol=1e-6)
+        assert torch.allclose(state.models[k], weighted_average(local, sizes), atol=1e-6)
     rows, model_of = alg.eval_rows(state)
     assert rows.shape == (5, d) and np.array_equal(model_of, labels)
 
 
 def test_cflgt_participant_sampling(equal_scenario):
-    state = {
-        "assign": np.arange(20) % 5,
-        "models": torch.zeros(5, 1),
-        "excluded": np.zeros(20, bool),
-    }
+    state = CFLGTState(
+        global_model=torch.zeros(1),
+        models=torch.zeros(5, 1),
+        assign=np.arange(20) % 5,
+        excluded=np.zeros(20, bool),
+    )
     selected = np.array([0, 3])
     for sampling, count in (("global", 4), ("per-cluster", 5)):
         params = CFLGT.Params(cluster_fraction=0.2, sampling=sampling)
@@ -236,7 +246,7 @@ def test_cflgt_participant_sampling(equal_scenario):
         assert len(drawn) == count and len(np.unique(drawn)) == count
         assert np.array_equal(drawn, alg.participants(state, 7, selected))
         if sampling == "per-cluster":
-            assert np.array_equal(np.sort(state["assign"][drawn]), np.arange(5))
+            assert np.array_equal(np.sort(state.assign[drawn]), np.arange(5))
     alg = CFLGT(CFLGT.Params(cluster_fraction=None), make_context(equal_scenario, **MLP))
     assert np.array_equal(alg.participants(state, 7, selected), selected)
 
@@ -250,6 +260,6 @@ def test_cflgt_is_deterministic(equal_scenario):
         runs.append((losses, state))
     (loss_a, a), (loss_b, b) = runs
     assert np.array_equal(loss_a, loss_b, equal_nan=True)
-    assert torch.equal(a["models"], b["models"])
-    assert torch.equal(a["trajectories"], b["trajectories"])
-    assert np.array_equal(a["assign"], b["assign"]) and a["hopkins"] == b["hopkins"]
+    assert torch.equal(a.models, b.models)
+    assert torch.equal(a.trajectories, b.trajectories)
+    assert np.array_equal(a.assign, b.assign) and a.hopkins == b.hopkins

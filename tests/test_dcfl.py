@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.base import FLOAT_BYTES
 from fedcluster.algorithms.dcfl import DCFL
 from fedcluster.clustering.distances import DCFL_VARIANTS
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, make_context
 
 N_GROUPS = 4
 PER_GROUP = 5
@@ -53,12 +52,12 @@ def test_recovers_rotation_groups_and_dunn_index_ends_above_one(rotated):
     state = alg.init_state()
     everyone = np.arange(rotated.n_clients)
     run(alg, state, range(1, 2), everyone)
-    assert state["dunn"] == 0.0  # one cluster C_0 in round 1: DI = 0, so it clusters (Alg. 1)
-    assert state["reclusterings"] == 1
+    assert state.dunn == 0.0  # one cluster C_0 in round 1: DI = 0, so it clusters (Alg. 1)
+    assert state.reclusterings == 1
     run(alg, state, range(2, 7), everyone)
     assert ari(rotated.groups, alg.clusters(state)) == 1.0
-    assert len(state["models"]) == N_GROUPS
-    assert state["dunn"] > 1.0
+    assert len(state.models) == N_GROUPS
+    assert state.dunn > 1.0
     accuracy = alg.evaluate(state, 6).accuracy.mean()
     assert accuracy > 0.6
 
@@ -69,23 +68,29 @@ def test_newcomers_join_their_groups_cluster(rotated):
     late = np.array([3, 18, 19])  # groups 3, 2, 3
     initial = np.setdiff1d(np.arange(rotated.n_clients), late)
     run(alg, state, range(1, 5), initial)
-    assert (state["assign"][late] == -1).all()
-    assert ari(rotated.groups[initial], state["assign"][initial]) == 1.0
+    assert (state.assign[late] == -1).all()
+    assert ari(rotated.groups[initial], state.assign[initial]) == 1.0
     rows, model_of_client = alg.eval_rows(state)
-    assert torch.equal(rows[model_of_client[19]], state["models"].mean(dim=0))  # W_G
+    assert torch.equal(rows[model_of_client[19]], state.models.mean(dim=0))  # W_G
 
     dim = alg.ctx.dim
-    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     choice = alg.assign_newcomer(state, 19, 5)
-    assert alg.ctx.comm.down == alg.ctx.comm.up == dim * FLOAT_BYTES  # W_G down, update up
-    mates = state["assign"][initial[rotated.groups[initial] == rotated.groups[19]]]
+    assert (
+        alg.ctx.channel.traffic.down == alg.ctx.channel.traffic.up == dim * FLOAT_BYTES
+    )  # W_G down, update up
+    mates = state.assign[initial[rotated.groups[initial] == rotated.groups[19]]]
     assert choice.tolist() == [mates[0]] and (mates == mates[0]).all()
 
-    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     everyone = np.arange(rotated.n_clients)
     run(alg, state, range(5, 6), everyone)  # clients 3 and 18 are newcomers here
-    assert alg.ctx.comm.down == alg.ctx.comm.up == (len(everyone) + 2) * dim * FLOAT_BYTES
-    assert ari(rotated.groups, state["assign"]) == 1.0
+    assert (
+        alg.ctx.channel.traffic.down
+        == alg.ctx.channel.traffic.up
+        == (len(everyone) + 2) * dim * FLOAT_BYTES
+    )
+    assert ari(rotated.groups, state.assign) == 1.0
 
 
 def test_bytes_per_round_are_exact(rotated):
@@ -94,7 +99,11 @@ def test_bytes_per_round_are_exact(rotated):
     selected = np.arange(rotated.n_clients)
     alg.run_round(state, 1, selected)
     # Every client gets its cluster model and uploads one update: d float32 each way.
-    assert alg.ctx.comm.down == alg.ctx.comm.up == len(selected) * alg.ctx.dim * FLOAT_BYTES
+    assert (
+        alg.ctx.channel.traffic.down
+        == alg.ctx.channel.traffic.up
+        == len(selected) * alg.ctx.dim * FLOAT_BYTES
+    )
 
 
 @pytest.mark.parametrize("variant", DCFL_VARIANTS)
@@ -103,7 +112,7 @@ def test_every_distance_variant_runs(rotated, variant):
     state = alg.init_state()
     losses = run(alg, state, range(1, 3), np.arange(rotated.n_clients))
     assert all(np.isfinite(losses))
-    assert (state["assign"] >= 0).all() and np.isfinite(state["dunn"])
+    assert (state.assign >= 0).all() and np.isfinite(state.dunn)
 
 
 def test_preference_sets_the_number_of_clusters(rotated):
@@ -112,7 +121,7 @@ def test_preference_sets_the_number_of_clusters(rotated):
         alg = make_dcfl(rotated, preference=preference)
         state = alg.init_state()
         alg.run_round(state, 1, np.arange(rotated.n_clients))
-        counts.append(len(state["models"]))
+        counts.append(len(state.models))
     assert counts[0] == N_GROUPS
     assert counts[1] == rotated.n_clients  # preference 0 = the self-similarity: all exemplars
 
@@ -124,10 +133,10 @@ def test_reclustering_with_absent_clients():
     fed = Federation.from_clients([(x[i : i + 1], y[i : i + 1]) for i in range(6)], [(x, y)] * 6, 2)
     alg = make_dcfl(fed)
     state = alg.init_state()
-    state["assign"] = np.array([0, 0, 1, 1, 2, 2])
-    state["models"] = torch.arange(3.0).unsqueeze(1).repeat(1, alg.ctx.dim)
+    state.assign = np.array([0, 0, 1, 1, 2, 2])
+    state.models = torch.arange(3.0).unsqueeze(1).repeat(1, alg.ctx.dim)
     previous = alg._recluster(state, np.array([0, 2, 3]), np.array([0, 1, 1]))
-    assert state["assign"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert state.assign.tolist() == [0, 0, 1, 1, 2, 2]
     assert previous.shape == (3, alg.ctx.dim)
     assert torch.equal(previous[2], torch.full((alg.ctx.dim,), 2.0))
 
@@ -148,6 +157,6 @@ def test_same_seed_same_numbers_and_checkpoint_resume(rotated):
     rest = run(make_dcfl(rotated, seed=3), resumed, range(3, 5), everyone)
 
     assert first + rest == losses
-    assert torch.equal(resumed["models"], full["models"])
-    assert np.array_equal(resumed["assign"], full["assign"])
-    assert resumed["dunn"] == full["dunn"]
+    assert torch.equal(resumed.models, full.models)
+    assert np.array_equal(resumed.assign, full.assign)
+    assert resumed.dunn == full.dunn

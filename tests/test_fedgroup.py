@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Context, init_row
+from fedcluster.algorithms.base import Context, init_row
 from fedcluster.algorithms.fedgroup import (
     PRETRAIN_PURPOSE,
     FedGroup,
@@ -19,6 +19,7 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from tests.helpers import FLOAT_BYTES, INT_BYTES
 
 LABEL_GROUPS = ([0, 1, 2], [3, 4, 5], [6, 7, 8])
 TRAIN = LocalTraining(lr=0.05, batch_size=10)
@@ -54,12 +55,8 @@ def label_groups(mnist) -> Federation:
 
 def make(federation: Federation, cls: type[FedGroup] = FedGroup, seed: int = 0, **params):
     model = build_model("mclr", federation.input_shape, 10)
-    ctx = Context(
-        sim=Simulator(model, federation, seed=seed),
-        train=TRAIN,
-        seed=seed,
-        init_row=init_row(model, seed, "init"),
-    )
+    sim = Simulator(model, federation, seed=seed)
+    ctx = Context.for_backend(sim, TRAIN, seed, init_row(model, seed, "init"))
     return cls(cls.Params(**params), ctx)
 
 
@@ -97,9 +94,9 @@ def test_edc_and_madc_agree_on_fedgroup_mnist(mnist):
 def test_recovers_label_groups(label_groups, measure, cls):
     alg = make(label_groups, cls, n_groups=3, pretrain_scale=4, measure=measure)
     state, losses = run(alg, 5)
-    assigned = state["assign"] >= 0
+    assigned = state.assign >= 0
     assert assigned.sum() > 12  # the 12 pre-training clients and cold clients selected since
-    assert ari(label_groups.groups[assigned], state["assign"][assigned]) == 1.0
+    assert ari(label_groups.groups[assigned], state.assign[assigned]) == 1.0
     assert all(np.isfinite(losses))
     assert alg.evaluate(state, 5).accuracy.mean() > 0.8
 
@@ -109,50 +106,61 @@ def test_group_cold_start_bytes_and_groups(label_groups):
     state = alg.init_state()
     alg.group_cold_start(state)
     dim = alg.ctx.dim
-    pretrained = np.flatnonzero(state["assign"] >= 0)
+    pretrained = np.flatnonzero(state.assign >= 0)
     assert len(pretrained) == 12
-    assert alg.ctx.comm.down == alg.ctx.comm.up == 12 * dim * FLOAT_BYTES  # w0 down, update up
+    assert (
+        alg.ctx.channel.traffic.down == alg.ctx.channel.traffic.up == 12 * dim * FLOAT_BYTES
+    )  # w0 down, update up
     # Group models are their members' average models; directions = model − w0 (Alg. 3 l. 16-17).
     w0 = alg.ctx.init_row
     updates = alg.pretrain(pretrained).rows
     for g in range(3):
-        members = state["assign"][pretrained] == g
+        members = state.assign[pretrained] == g
         expected = w0 + updates[torch.as_tensor(members)].mean(dim=0)
-        assert torch.allclose(state["models"][g], expected, atol=1e-6)
-    assert torch.allclose(state["directions"], state["models"] - w0)
+        assert torch.allclose(state.models[g], expected, atol=1e-6)
+    assert torch.allclose(state.directions, state.models - w0)
 
 
 def test_client_cold_start_picks_the_largest_cosine(label_groups):
     alg = make(label_groups, n_groups=3, pretrain_scale=4)
     state = alg.init_state()
     alg.group_cold_start(state)
-    cold = int(np.flatnonzero(state["assign"] < 0)[0])
+    cold = int(np.flatnonzero(state.assign < 0)[0])
 
     # By hand: pre-train one epoch from w0 and compare directions by cosine (eq. 9).
     w0 = alg.ctx.init_row
     cfg = LocalTraining(lr=TRAIN.lr, batch_size=TRAIN.batch_size, epochs=1)
-    update = alg.ctx.sim.train(np.array([cold]), w0, cfg, 0, purpose=PRETRAIN_PURPOSE).rows[0] - w0
+    update = (
+        alg.ctx.channel.backend.train(np.array([cold]), w0, cfg, 0, purpose=PRETRAIN_PURPOSE).rows[
+            0
+        ]
+        - w0
+    )
     u = update.double()
-    cosines = [float(u @ d.double() / (u.norm() * d.double().norm())) for d in state["directions"]]
+    cosines = [float(u @ d.double() / (u.norm() * d.double().norm())) for d in state.directions]
     dissimilarity = [(1.0 - c) / 2.0 for c in cosines]
 
-    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     alg.run_round(state, 1, np.array([cold]))
-    assert state["assign"][cold] == int(np.argmin(dissimilarity)) == int(np.argmax(cosines))
-    mates = (label_groups.groups == label_groups.groups[cold]) & (state["assign"] >= 0)
-    assert (state["assign"][mates] == state["assign"][cold]).all()  # and it is the right group
+    assert state.assign[cold] == int(np.argmin(dissimilarity)) == int(np.argmax(cosines))
+    mates = (label_groups.groups == label_groups.groups[cold]) & (state.assign >= 0)
+    assert (state.assign[mates] == state.assign[cold]).all()  # and it is the right group
     dim = alg.ctx.dim
-    assert alg.ctx.comm.down == 2 * dim * FLOAT_BYTES  # w0 for pre-training, then its group model
-    assert alg.ctx.comm.up == 2 * dim * FLOAT_BYTES + INT_BYTES  # update, then model + size
+    assert (
+        alg.ctx.channel.traffic.down == 2 * dim * FLOAT_BYTES
+    )  # w0 for pre-training, then its group model
+    assert (
+        alg.ctx.channel.traffic.up == 2 * dim * FLOAT_BYTES + INT_BYTES
+    )  # update, then model + size
 
 
 def test_rcc_uses_m_random_centres(label_groups):
     alg = make(label_groups, n_groups=3, rcc=True)
     state = alg.init_state()
     alg.group_cold_start(state)
-    centres = np.flatnonzero(state["assign"] >= 0)
-    assert len(centres) == 3 and sorted(state["assign"][centres]) == [0, 1, 2]
-    assert torch.allclose(state["directions"], alg.pretrain(centres).rows[state["assign"][centres]])
+    centres = np.flatnonzero(state.assign >= 0)
+    assert len(centres) == 3 and sorted(state.assign[centres]) == [0, 1, 2]
+    assert torch.allclose(state.directions, alg.pretrain(centres).rows[state.assign[centres]])
     state, losses = run(alg, 3)
     assert all(np.isfinite(losses))
 
@@ -161,11 +169,11 @@ def test_rac_assigns_cold_clients_without_pretraining(label_groups):
     alg = make(label_groups, n_groups=3, pretrain_scale=4, rac=True)
     state = alg.init_state()
     alg.group_cold_start(state)
-    cold = np.flatnonzero(state["assign"] < 0)[:8]
-    alg.ctx.comm.down = alg.ctx.comm.up = 0
+    cold = np.flatnonzero(state.assign < 0)[:8]
+    alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     alg.run_round(state, 1, cold)
-    assert (state["assign"][cold] >= 0).all()
-    assert alg.ctx.comm.down == len(cold) * alg.ctx.dim * FLOAT_BYTES  # no pre-training
+    assert (state.assign[cold] >= 0).all()
+    assert alg.ctx.channel.traffic.down == len(cold) * alg.ctx.dim * FLOAT_BYTES  # no pre-training
 
 
 def test_fedgrouprox_defaults_and_proximal_term(label_groups):
@@ -173,8 +181,8 @@ def test_fedgrouprox_defaults_and_proximal_term(label_groups):
     assert FedGroup.Params().pretrain_scale == 20 and FedGroup.Params().eta_g == 0.0
     plain, _ = run(make(label_groups, FedGroup, n_groups=3, pretrain_scale=4), 2)
     prox, _ = run(make(label_groups, FedGrouProx, n_groups=3, pretrain_scale=4), 2)
-    assert np.array_equal(plain["assign"], prox["assign"])
-    assert not torch.equal(plain["models"], prox["models"])
+    assert np.array_equal(plain.assign, prox.assign)
+    assert not torch.equal(plain.models, prox.models)
 
 
 def test_inter_group_aggregation(label_groups):
@@ -185,12 +193,12 @@ def test_inter_group_aggregation(label_groups):
     expected1 = (models[1] + eta * models[0] / 5.0) / (1.0 + eta / 5.0)
     assert torch.allclose(out, torch.stack([expected0, expected1]))
     state, losses = run(make(label_groups, n_groups=3, pretrain_scale=4, eta_g=0.1), 2)
-    assert all(np.isfinite(losses)) and state["grouped"]
+    assert all(np.isfinite(losses)) and state.grouped
 
 
 def test_same_seed_same_numbers(label_groups):
     first, losses = run(make(label_groups, seed=2, n_groups=3, pretrain_scale=4), 3)
     second, losses_again = run(make(label_groups, seed=2, n_groups=3, pretrain_scale=4), 3)
     assert losses == losses_again
-    assert torch.equal(first["models"], second["models"])
-    assert np.array_equal(first["assign"], second["assign"])
+    assert torch.equal(first.models, second.models)
+    assert np.array_equal(first.assign, second.assign)

@@ -7,14 +7,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, Comm
+from fedcluster.algorithms.channel import Traffic
 from fedcluster.algorithms.fesem import FeSEM, kmeanspp_seeds
 from fedcluster.algorithms.flhc import FLHC
 from fedcluster.clustering.validity import ari, purity
 from fedcluster.data.federation import Federation
 from fedcluster.engine.flat import weighted_average
 from fedcluster.errors import ConfigError
-from tests.helpers import make_context
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 from tests.test_cflgt import MLP, label_set_federation
 
 LABEL_SETS = [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]
@@ -61,28 +61,31 @@ def test_flhc_schedule_bytes_and_determinism(disjoint):
         alg = FLHC(FLHC.Params(pretrain_rounds=1, n_clusters=4), ctx)
         state = alg.init_state()
         alg.run_round(state, 1, np.arange(0, N, 2))
-        pretrained = state["global"].clone()
-        ctx.comm = Comm()
+        pretrained = state.global_model.clone()
+        ctx.channel.traffic = Traffic()
         loss = alg.run_round(state, 2, np.array([0]))  # every client trains and uploads
         assert np.isfinite(loss)
-        assert ctx.comm.down == N * d * FLOAT_BYTES and ctx.comm.up == N * d * FLOAT_BYTES
-        assert torch.equal(state["models"], pretrained.expand(4, -1))
+        assert (
+            ctx.channel.traffic.down == N * d * FLOAT_BYTES
+            and ctx.channel.traffic.up == N * d * FLOAT_BYTES
+        )
+        assert torch.equal(state.models, pretrained.expand(4, -1))
         selected = np.array([0, 1, 4, 5, 6])  # the runner's selection: groups 0, 1, 0, 1, 2
-        ctx.comm = Comm()
+        ctx.channel.traffic = Traffic()
         alg.run_round(state, 3, selected)
-        assert ctx.comm.down == 5 * d * FLOAT_BYTES
-        assert ctx.comm.up == 5 * (d * FLOAT_BYTES + INT_BYTES)
+        assert ctx.channel.traffic.down == 5 * d * FLOAT_BYTES
+        assert ctx.channel.traffic.up == 5 * (d * FLOAT_BYTES + INT_BYTES)
         labels = alg.clusters(state)
         for k in range(4):
             members = selected[labels[selected] == k]
             if len(members) == 0:  # group 3's cluster had no participant
-                assert torch.equal(state["models"][k], pretrained)
+                assert torch.equal(state.models[k], pretrained)
                 continue
-            local = ctx.sim.train(members, pretrained, ctx.train, 3).rows
+            local = ctx.channel.backend.train(members, pretrained, ctx.train, 3).rows
             expected = weighted_average(local, torch.as_tensor(disjoint.train_sizes[members]))
-            assert torch.allclose(state["models"][k], expected, atol=1e-6)
+            assert torch.allclose(state.models[k], expected, atol=1e-6)
         results.append(state)
-    assert torch.equal(results[0]["models"], results[1]["models"])
+    assert torch.equal(results[0].models, results[1].models)
 
 
 def test_flhc_rejects_more_clusters_than_clients(disjoint):
@@ -107,14 +110,14 @@ def test_fesem_recovers_the_groups_in_few_rounds(disjoint):
     rng = np.random.default_rng(0)
     for rnd in range(1, 4):
         selected = np.sort(rng.choice(N, N // 2, replace=False))
-        ctx.comm = Comm()
+        ctx.channel.traffic = Traffic()
         alg.run_round(state, rnd, selected)
-        assert ctx.comm.down == ctx.comm.up == 8 * ctx.dim * FLOAT_BYTES
+        assert ctx.channel.traffic.down == ctx.channel.traffic.up == 8 * ctx.dim * FLOAT_BYTES
     assign = alg.clusters(state)
     seen = assign >= 0
     assert seen.sum() >= 12 and purity(disjoint.groups[seen], assign[seen]) >= 0.9
     rows, model_of = alg.eval_rows(state)
-    assert torch.equal(rows[4], state["centres"].mean(dim=0))
+    assert torch.equal(rows[4], state.centres.mean(dim=0))
     assert np.array_equal(model_of, np.where(seen, assign, 4))
 
 
@@ -123,19 +126,19 @@ def test_fesem_e_and_m_steps(disjoint):
     alg = FeSEM(FeSEM.Params(n_clusters=4, weighting="samples"), ctx)
     state = alg.init_state()
     alg.run_round(state, 1, np.arange(0, N, 2))
-    centres, assign = state["centres"].clone(), state["assign"].copy()
+    centres, assign = state.centres.clone(), state.assign.copy()
     selected = np.arange(N)  # half of them have no cluster yet: they start from the mean centre
-    ctx.comm = Comm()
+    ctx.channel.traffic = Traffic()
     alg.run_round(state, 2, selected)
-    assert ctx.comm.up == N * (ctx.dim * FLOAT_BYTES + INT_BYTES)
+    assert ctx.channel.traffic.up == N * (ctx.dim * FLOAT_BYTES + INT_BYTES)
     start = torch.where(torch.as_tensor(assign >= 0)[:, None], centres[assign], centres.mean(0))
-    local = ctx.sim.train(selected, start, ctx.train, 2).rows
+    local = ctx.channel.backend.train(selected, start, ctx.train, 2).rows
     nearest = torch.cdist(local.double(), centres.double()).argmin(dim=1).numpy()
-    assert np.array_equal(state["assign"], nearest)
+    assert np.array_equal(state.assign, nearest)
     for k in range(4):
         members = torch.as_tensor(nearest == k)
         sizes = torch.as_tensor(disjoint.train_sizes[members.numpy()])
-        assert torch.allclose(state["centres"][k], weighted_average(local[members], sizes))
+        assert torch.allclose(state.centres[k], weighted_average(local[members], sizes))
 
 
 def test_fesem_random_init_and_determinism(disjoint):
@@ -145,12 +148,12 @@ def test_fesem_random_init_and_determinism(disjoint):
             FeSEM.Params(n_clusters=4, init="random"), make_context(disjoint, seed=2, **MLP)
         )
         state = alg.init_state()
-        assert len(torch.unique(state["centres"], dim=0)) == 4
+        assert len(torch.unique(state.centres, dim=0)) == 4
         losses = [alg.run_round(state, rnd, np.arange(rnd, N, 3)) for rnd in (1, 2)]
         runs.append((losses, state))
     assert runs[0][0] == runs[1][0]
-    assert torch.equal(runs[0][1]["centres"], runs[1][1]["centres"])
-    assert np.array_equal(runs[0][1]["assign"], runs[1][1]["assign"])
+    assert torch.equal(runs[0][1].centres, runs[1][1].centres)
+    assert np.array_equal(runs[0][1].assign, runs[1][1].assign)
 
 
 def test_fesem_client_init_needs_k_clients(disjoint):

@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES
 from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL, fix_empty_clusters, jgl_scores
 from fedcluster.clustering.validity import purity
 from fedcluster.engine.batches import LocalTraining
-from tests.helpers import make_context, rotated_digits
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 
 def _scores(loss, grads, deltas, **kw):
@@ -93,8 +92,8 @@ def test_jgl_counts_k_models_and_updates_down_and_model_plus_id_up():
     alg = JGL(JGL.Params(n_clusters=2), ctx)
     state = alg.init_state()
     alg.run_round(state, 1, np.arange(4))
-    assert ctx.comm.down == 4 * 2 * 2 * ctx.dim * FLOAT_BYTES
-    assert ctx.comm.up == 4 * (ctx.dim * FLOAT_BYTES + INT_BYTES)
+    assert ctx.channel.traffic.down == 4 * 2 * 2 * ctx.dim * FLOAT_BYTES
+    assert ctx.channel.traffic.up == 4 * (ctx.dim * FLOAT_BYTES + INT_BYTES)
 
 
 def test_flipped_similarity_sign_hurts_purity():
@@ -118,6 +117,8 @@ def test_ifca_good_initializer_balances_initial_choice():
     ctx = make_context(fed, hidden=[16])
     alg = IFCA(IFCA.Params(n_clusters=4, min_cluster_share=0.15), ctx)
     state = alg.init_state()
-    loss, _ = ctx.sim.losses_and_grads(np.arange(16), state["models"], ctx.train, 0, "init", False)
+    loss, _ = ctx.channel.backend.losses_and_grads(
+        np.arange(16), state.models, ctx.train, 0, "init", False
+    )
     counts = np.bincount(loss.argmin(1).numpy(), minlength=4)
     assert counts.min() >= 3

@@ -15,20 +15,19 @@ from opacus.accountants.utils import get_noise_multiplier
 
 from fedcluster.algorithms.base import init_row
 from fedcluster.config import resolve_config
-from fedcluster.engine.batches import LocalTraining, batch_plan
-from fedcluster.engine.simulator import Simulator
-from fedcluster.errors import ConfigError
-from fedcluster.models import build_model
-from fedcluster.privacy import (
-    LocalDP,
+from fedcluster.dp import (
     RecordDP,
     calibrate_noise,
     clip_rows,
     epsilon_spent,
-    max_participations,
     per_sample_gradients,
     release_uploads,
 )
+from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.engine.simulator import Simulator
+from fedcluster.errors import ConfigError
+from fedcluster.models import build_model
+from fedcluster.privacy import LocalDP, max_participations
 from fedcluster.runner import Experiment
 from tests.helpers import make_context, rotated_digits
 
@@ -142,9 +141,9 @@ def test_uploaded_updates_are_clipped_to_c(federation):
     ctx = make_context(federation, hidden=[16], train=LocalTraining(lr=0.5, batch_size=8))
     clip = 0.2
     dp = client_dp(ctx.n_clients, 0.0, clip)
-    ctx.privacy = dp
+    ctx.channel.privacy = dp
     clients = np.arange(ctx.n_clients)
-    raw = ctx.sim.train(clients, ctx.init_row, ctx.train, 1).rows - ctx.init_row
+    raw = ctx.channel.backend.train(clients, ctx.init_row, ctx.train, 1).rows - ctx.init_row
     assert (raw.norm(dim=1) > clip).all()  # training moved every client further than C
     ex = ctx.exchange(clients, ctx.init_row, 1)
     norms = (ex.rows - ctx.init_row).norm(dim=1)

@@ -11,16 +11,17 @@ import pytest
 import torch
 
 import fedcluster.runner as runner_module
-from fedcluster.algorithms import ALGORITHMS
-from fedcluster.algorithms.base import FLOAT_BYTES, INT_BYTES, UpdateBound
+from fedcluster.algorithms import ALGORITHMS, algorithm_params
+from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.config import ExperimentConfig, resolve_config, validate_config
 from fedcluster.data.drift import DriftEvent, apply_drift
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.metrics import TIMING_COLUMNS
+from fedcluster.rundir import load_checkpoint
 from fedcluster.runner import Experiment, resume
 from fedcluster.scenario import FaultyUploads, Scenario
-from tests.helpers import make_context, rotated_digits
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 MLP = {"name": "mlp", "options": {"hidden": [32]}}
 TRAIN = {"lr": 0.1, "batch_size": 16}
@@ -208,25 +209,21 @@ def test_a_client_never_trains_before_it_joins(rotated, tmp_path, monkeypatch):
     now = {"round": 0}
     seen: list[tuple[int, int]] = []
 
-    def spy(compute):
-        def wrapped(owner, clients, *args, **kwargs):
+    run_computation = Simulator.run
+
+    def spy(sim, computation, clients, request):  # every client computation passes here
+        if computation.name != "evaluate":  # evaluation is the experimenter's measurement
             seen.extend((now["round"], int(c)) for c in np.asarray(clients))
-            return compute(owner, clients, *args, **kwargs)
+        return run_computation(sim, computation, clients, request)
 
-        return wrapped
+    start_round = runner_module.Job._start_round
 
-    def start_round(ctx, rnd, *dynamics):
+    def start_round_spy(job, rnd):
         now["round"] = rnd
-        return runner_start_round(ctx, rnd, *dynamics)
+        return start_round(job, rnd)
 
-    runner_start_round = runner_module.start_round
-    monkeypatch.setattr(runner_module, "start_round", start_round)
-    monkeypatch.setattr(Simulator, "train", spy(Simulator.train))
-    monkeypatch.setattr(Simulator, "losses_and_grads", spy(Simulator.losses_and_grads))
-    products = spy(Simulator.losses_and_gradient_products)
-    monkeypatch.setattr(Simulator, "losses_and_gradient_products", products)
-    trajectories = spy(Simulator.gradient_trajectories)
-    monkeypatch.setattr(Simulator, "gradient_trajectories", trajectories)
+    monkeypatch.setattr(runner_module.Job, "_start_round", start_round_spy)
+    monkeypatch.setattr(Simulator, "run", spy)
     small = {**CLUSTERED, "flhc": {"pretrain_rounds": 1}, "cfl": {"warmup_rounds": 1}}
     specs = [{"name": n, "params": small.get(n, {})} for n in sorted(ALGORITHMS)]
     specs[[s["name"] for s in specs].index("cflgt")]["params"] = {
@@ -295,14 +292,16 @@ def test_failed_clients_are_logged_counted_and_never_block(rotated, tmp_path):
 def test_server_rejects_absurdly_large_updates(rotated):
     ctx = make_context(rotated, hidden=[16])
     clients = np.arange(6)
-    ctx.client_transforms.append(FaultyUploads(np.array([-1, 2, -1, -1, -1, -1] + [-1] * 14), 1e4))
+    ctx.channel.client_transforms.append(
+        FaultyUploads(np.array([-1, 2, -1, -1, -1, -1] + [-1] * 14), 1e4)
+    )
     ex = ctx.exchange(clients, ctx.init_row, 1)
     assert ex.clients.tolist() == [0, 2, 3, 4, 5] and ctx.rejected == [1]
-    assert "norm" in ctx.events[0][2]
-    ctx.start_round()  # two updates are no yardstick; an absolute cap still applies
+    assert "norm" in ctx.channel.events[0][2]
+    ctx.channel.start_round()  # two updates are no yardstick; an absolute cap still applies
     assert ctx.exchange(clients[:2], ctx.init_row, 1).clients.tolist() == [0, 1]
-    ctx.start_round()
-    ctx.bound = UpdateBound(norm_factor=None, max_norm=1e-6)
+    ctx.channel.start_round()
+    ctx.channel.bound = UpdateBound(norm_factor=None, max_norm=1e-6)
     assert len(ctx.exchange(clients[:2], ctx.init_row, 1).clients) == 0
 
 
@@ -322,14 +321,13 @@ def test_faulty_clients_never_poison_a_model(tmp_path):
         faulty = [c for c, _ in sc.faulty()]
         assert all(int(r["rejected"]) == len(faulty) for r in metrics)
         for spec in cfg.algorithms:
-            state = torch.load(
-                out / "checkpoints" / f"{spec.name}-seed{seed}.pt", weights_only=False
-            )["state"]
-            models = [v for v in state.values() if isinstance(v, torch.Tensor)]
-            assert all(torch.isfinite(m).all() for m in models)
             alg = ALGORITHMS[spec.name](
-                spec.build_params(), make_context(fed, seed=seed, hidden=[32])
+                algorithm_params(spec), make_context(fed, seed=seed, hidden=[32])
             )
+            record = load_checkpoint(out / "checkpoints" / f"{spec.name}-seed{seed}.pt").state
+            state = alg.StateType.from_record(record)
+            models = [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+            assert all(torch.isfinite(m).all() for m in models)
             per_client = alg.evaluate(state, cfg.rounds).accuracy
             accuracy[share, spec.name] = np.delete(per_client, faulty).mean()
     assert {fault for _, fault in sc.faulty()} == {"nan", "inf", "huge"}

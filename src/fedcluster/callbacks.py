@@ -10,13 +10,16 @@ callbacks (``pfl.callback``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from fedcluster.config import ExperimentConfig
-    from fedcluster.runner import JobResult
+    from fedcluster.privacy import LocalDP
+    from fedcluster.rundir import Checkpoint, JobResult
 
 
 @dataclass(frozen=True)
@@ -28,14 +31,33 @@ class RunInfo:
     resume: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class JobInfo:
-    """One (algorithm, seed) job of a run: its label (``metrics.csv``'s ``algorithm``)."""
+    """One (algorithm, seed) job of a run, as the runner keeps it between rounds.
+
+    ``label`` is ``metrics.csv``'s ``algorithm``. During :meth:`Callback.on_round_end`
+    the round's other records are here too: ``events`` (``(client, kind,
+    detail)``: joins, departures, drift, failures, rejections), ``clusters``
+    (each client's cluster, −1 unassigned; ``None`` for unclustered methods),
+    ``groups`` (ground truth, where known) and ``diagnostics`` (the
+    algorithm's per-round scalars). ``rows`` holds every metrics row so far
+    (of a resumed job too); ``privacy`` the job's local-DP ledger.
+    """
 
     run: RunInfo
     label: str
     seed: int
     first_round: int = 1
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[int, str, str]] = field(default_factory=list)
+    clusters: np.ndarray | None = None
+    groups: np.ndarray | None = None
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    privacy: LocalDP | None = None
+    wall_offset: float = 0.0
+    """Seconds the job had run before this process took it up (a resumed job)."""
+    restored: Checkpoint | None = None
+    """The checkpoint a resumed job continues from (None: it starts at round 1)."""
 
 
 class Callback:

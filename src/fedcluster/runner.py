@@ -1,12 +1,13 @@
-"""The round loop: build the federation, run each (algorithm, seed) job, write the run directory.
+"""The round loop: build the federation, run each (algorithm, seed) job, call the callbacks.
 
-Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
-``metrics.csv`` (one row per round x algorithm x seed), ``clusters.csv``
-(client -> cluster per round, with the true group; −1 for a client not
-present), ``events.csv`` (per job and round: faulty clients, joins,
-departures, drift, failures and rejections, each with client and detail),
-``summary.json`` and ``checkpoints/``. Checkpoints are written atomically
-every ``checkpoint_every`` rounds; :func:`resume` continues a killed run so
+The loop itself only runs rounds: it sets up each job (backend, channel,
+local DP, the scenario's faulty clients), runs the algorithm's round,
+measures it, and hands the round to the callbacks (:mod:`fedcluster.callbacks`).
+Writing the run directory (:mod:`fedcluster.rundir`), checkpoints, the
+progress bar and the summary are callbacks; a user adds their own with
+``Experiment(config, callbacks=[...])`` (docs/architecture.md).
+
+Checkpoints are written every ``checkpoint_every`` rounds; :func:`resume` continues a killed run so
 that ``metrics.csv`` equals that of an uninterrupted run (timing columns
 aside): all randomness is derived from (seed, purpose, round, client), so the
 rounds after a checkpoint repeat exactly. A dynamic federation
@@ -17,47 +18,38 @@ to its checkpoint before continuing.
 
 from __future__ import annotations
 
-import csv
-import json
+import logging
 import math
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
-from fedcluster.algorithms import ALGORITHMS, Context
-from fedcluster.algorithms.base import Algorithm, Comm, init_row
+from fedcluster.algorithms import ALGORITHMS, Context, algorithm_params, check_algorithms
+from fedcluster.algorithms.base import Algorithm, State, init_row
+from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
-from fedcluster.config import (
-    AlgorithmSpec,
-    ExperimentConfig,
-    dump_config,
-    load_yaml,
-    validate_config,
-)
+from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
 from fedcluster.data.drift import DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
+from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
-from fedcluster.errors import ConfigError
-from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
+from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.metrics import accuracy_columns, cluster_columns
 from fedcluster.models import build_model
 from fedcluster.privacy import LocalDP, reported_epsilon
-from fedcluster.report import format_table, summary_rows
 from fedcluster.rng import numpy_rng
+from fedcluster.rundir import JobResult, RunDirectory, load_checkpoint, run_directory_callbacks
 from fedcluster.scenario import Scenario
 
-CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
-EVENT_COLUMNS = ["algorithm", "seed", "round", "client", "kind", "detail"]
-DIAGNOSTIC_COLUMNS = ["algorithm", "seed", "round", "name", "value"]
+log = logging.getLogger("fedcluster")
 
 
 def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
@@ -78,6 +70,12 @@ def load_partitioned(config: ExperimentConfig, seed: int) -> tuple[Dataset, Part
         name, dataset.train.y.numpy(), y_test, numpy_rng(seed, "partition"), **options
     )
     return dataset, partition
+
+
+def model_for(config: ExperimentConfig, federation: FederationView) -> nn.Module:
+    """The config's model for the federation's data shape and classes."""
+    m = config.model
+    return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
 
 
 def select_clients(
@@ -102,117 +100,14 @@ def select_clients(
     return np.sort(numpy_rng(seed, "participation", rnd).choice(candidates, k, replace=False))
 
 
-@dataclass
-class JobResult:
-    """The per-round metric rows of one (algorithm, seed) job."""
-
-    algorithm: str
-    seed: int
-    rows: list[dict[str, object]]
-    wall_seconds: float
-
-
-class RunDirectory:
-    """Reads and writes the files of a run directory, atomically where it matters."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.metrics = self.path / "metrics.csv"
-        self.clusters = self.path / "clusters.csv"
-        self.diagnostics = self.path / "diagnostics.csv"
-        self.events = self.path / "events.csv"
-        self.checkpoints = self.path / "checkpoints"
-        self.artifacts = self.path / "artifacts"
-
-    def create(self, config: ExperimentConfig) -> None:
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(self.path / "config.yaml", dump_config(config))
-        tables = (
-            (self.metrics, COLUMNS),
-            (self.clusters, CLUSTER_COLUMNS),
-            (self.diagnostics, DIAGNOSTIC_COLUMNS),
-            (self.events, EVENT_COLUMNS),
-        )
-        for path, header in tables:
-            with open(path, "w", newline="") as f:
-                csv.writer(f).writerow(header)
-
-    def checkpoint_path(self, label: str, seed: int) -> Path:
-        safe = "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)
-        return self.checkpoints / f"{safe}-seed{seed}.pt"
-
-    def append(self, path: Path, rows: list[list[str]]) -> None:
-        with open(path, "a", newline="") as f:
-            csv.writer(f).writerows(rows)
-
-    def _rewrite(
-        self,
-        path: Path,
-        keep: Callable[[dict[str, str]], bool],
-        order: Callable[[dict[str, str]], tuple] | None = None,
-    ) -> None:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = list(reader.fieldnames or [])
-            rows = [r for r in reader if keep(r)]
-        if order is not None:
-            rows.sort(key=order)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, path)
-
-    def truncate_job(self, label: str, seed: int, after_round: int) -> None:
-        """Drop rows of one job beyond ``after_round`` (rows a resumed job will write again)."""
-
-        def keep(r: dict[str, str]) -> bool:
-            mine = r["algorithm"] == label and int(r["seed"]) == seed
-            return not (mine and int(r["round"]) > after_round)
-
-        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
-            self._rewrite(path, keep)
-
-    def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
-        """Put rows in job order, then round (resumed jobs append after later jobs' rows)."""
-        rank = {(label, seed): i for i, (label, seed) in enumerate(jobs)}
-
-        def order(r: dict[str, str]) -> tuple:
-            return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
-
-        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
-            self._rewrite(path, lambda r: True, order)
-
-    def save_artifacts(self, label: str, seed: int, arrays: dict[str, np.ndarray]) -> None:
-        """Arrays an algorithm keeps at the end of a job, as ``artifacts/<label>-seed<s>.npz``."""
-        if not arrays:
-            return
-        self.artifacts.mkdir(exist_ok=True)
-        path = self.artifacts / self.checkpoint_path(label, seed).with_suffix(".npz").name
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj: object, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 class Experiment:
     """A configured experiment: one federation per seed, each algorithm run on it.
 
     Pass ``model`` (any ``nn.Module``) and/or ``federation`` to use your own
-    instead of the config's preset model and dataset, and ``callbacks``
-    (:class:`fedcluster.callbacks.Callback`) to see each round's metrics row.
+    instead of the config's preset model and dataset, ``callbacks``
+    (:class:`~fedcluster.callbacks.Callback`) to follow or stop the rounds, and
+    ``backend_factory`` to run the client computations elsewhere than in the
+    simulator (the Flower server passes its own, :mod:`fedcluster.flower.server`).
     """
 
     def __init__(
@@ -220,19 +115,22 @@ class Experiment:
         config: ExperimentConfig,
         model: nn.Module | None = None,
         federation: Federation | None = None,
-        callbacks: list[Callback] | None = None,
+        callbacks: Sequence[Callback] = (),
+        backend_factory: BackendFactory | None = None,
     ) -> None:
+        check_algorithms(config)
         self.config = config
         self._model = model
         self._federation = federation
-        self.callbacks = list(callbacks or [])
+        self.callbacks = list(callbacks)
+        self.backend_factory = backend_factory or SimulatorFactory(config)
 
-    def federation(self, seed: int) -> Federation:
+    def federation(self, seed: int) -> FederationView:
         if self._federation is not None:
             return self._federation
-        return build_federation_for(self.config, seed)
+        return self.backend_factory.federation(seed)
 
-    def data(self, seed: int) -> tuple[Federation, DriftPool | None]:
+    def data(self, seed: int) -> tuple[FederationView, DriftPool | None]:
         """The seed's federation and, when a drift redraws samples, the pool it draws from."""
         if not any(d.kind == "redistribute" for d in self.config.scenario.drift):
             return self.federation(seed), None
@@ -247,13 +145,7 @@ class Experiment:
     def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
             return self._model
-        m = self.config.model
-        return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
-
-    def backend(self, model: nn.Module, federation: Federation, seed: int) -> Backend:
-        """What runs the client computations: the batched simulator (the Flower
-        backend, :mod:`fedcluster.flower.server`, sends them to nodes instead)."""
-        return Simulator(model, federation, seed=seed, group_size=self.config.group_size)
+        return model_for(self.config, federation)
 
     def run(
         self,
@@ -268,257 +160,217 @@ class Experiment:
         stops each job after that round (used to test resuming).
         """
         rundir = RunDirectory(out)
+        with rundir.lock():
+            return self._run(rundir, resume, progress, stop_after_round)
+
+    def _run(
+        self, rundir: RunDirectory, resume: bool, progress: bool, stop_after_round: int | None
+    ) -> list[JobResult]:
+        cfg = self.config
         if not resume:
-            rundir.create(self.config)
+            rundir.create(cfg)
+        last = cfg.rounds if stop_after_round is None else min(cfg.rounds, stop_after_round)
+        callbacks = [*run_directory_callbacks(rundir, cfg, last, progress), *self.callbacks]
+        run = RunInfo(rundir.path, cfg, resume)
+        for callback in callbacks:
+            callback.on_run_start(run)
         results = []
-        for seed in self.config.seeds:
+        for seed in cfg.seeds:
             federation, pool = self.data(seed)
-            scenario = Scenario(
-                self.config.scenario, federation.n_clients, seed, self.config.rounds
-            )
+            scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
             model = self.model(federation)
             start_row = init_row(model, seed, "init")
-            for spec in self.config.algorithms:
-                results.append(
-                    self._run_job(
-                        rundir,
-                        spec,
-                        seed,
-                        federation,
-                        model,
-                        start_row,
-                        resume,
-                        progress,
-                        stop_after_round,
-                        (scenario, pool),
-                    )
-                )
-        if resume:
-            rundir.sort_rows([(j.algorithm, j.seed) for j in results])
-        write_summary(rundir.path, self.config, results)
+            for spec in cfg.algorithms:
+                job = Job(self, run, spec, seed, (federation, model, start_row), (scenario, pool))
+                results.append(job.run(rundir, resume, last, callbacks))
+        for callback in callbacks:
+            callback.on_run_end(run, results)
         return results
 
-    def _run_job(
+
+class BackendFactory(Protocol):
+    """Where a job's client computations run: the federation the server sees and its backend."""
+
+    def federation(self, seed: int) -> FederationView: ...
+
+    def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend: ...
+
+
+class SimulatorFactory:
+    """The batched simulator over the config's dataset and partition (the default)."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        self.config = config
+
+    def federation(self, seed: int) -> Federation:
+        return build_federation_for(self.config, seed)
+
+    def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend:
+        assert isinstance(federation, Federation)
+        return Simulator(model, federation, seed=seed, group_size=self.config.group_size)
+
+
+class Job:
+    """One (algorithm, seed) job: its channel, algorithm and dynamics, run round by round."""
+
+    def __init__(
         self,
-        rundir: RunDirectory,
+        experiment: Experiment,
+        run: RunInfo,
         spec: AlgorithmSpec,
         seed: int,
-        federation: Federation,
-        model: nn.Module,
-        start_row: torch.Tensor,
-        resume: bool,
-        progress: bool,
-        stop_after_round: int | None,
+        setting: tuple[FederationView, nn.Module, torch.Tensor],
         dynamics: tuple[Scenario, DriftPool | None],
-    ) -> JobResult:
-        cfg = self.config
-        label = spec.display_name()
-        scenario, pool = dynamics
-        if scenario.has_drift:  # each job drifts its own copy of the seed's federation
+    ) -> None:
+        cfg = experiment.config
+        federation, model, start_row = setting
+        self.config = cfg
+        self.scenario, self.pool = dynamics
+        if self.scenario.has_drift:  # each job drifts its own copy of the seed's federation
+            assert isinstance(federation, Federation)
             federation = federation.clone()
-        sim = self.backend(model, federation, seed)
-        ctx = Context(
-            sim=sim,
-            train=cfg.train.local(),
-            seed=seed,
-            init_row=start_row,
-            comm=Comm(),
-            bound=cfg.rejection.bound(),
+        self.backend = experiment.backend_factory.backend(model, federation, seed)
+        self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
+        ctx = Context.for_backend(
+            self.backend,
+            LocalTraining(**cfg.train.model_dump()),
+            seed,
+            start_row,
+            self.privacy,
+            UpdateBound(**cfg.rejection.model_dump()),
         )
-        privacy = LocalDP.install(ctx, cfg)  # local DP (None without a privacy section)
-        faulty = scenario.upload_transform()
+        self.channel = ctx.channel
+        faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
-            ctx.client_transforms.append(faulty)
-        algorithm: Algorithm = ALGORITHMS[spec.name](spec.build_params(), ctx)
-        ckpt_path = rundir.checkpoint_path(label, seed)
-        first_round, state, rows, wall = 1, None, [], 0.0
-        if resume and ckpt_path.exists():
-            ckpt = torch.load(ckpt_path, weights_only=False)
-            state, first_round, rows, wall = (
-                ckpt["state"],
-                ckpt["round"] + 1,
-                ckpt["rows"],
-                ckpt["wall_seconds"],
-            )
-            rundir.truncate_job(label, seed, ckpt["round"])
-            if privacy is not None:
-                privacy.load_state_dict(ckpt.get("privacy"))
-        elif resume:
-            rundir.truncate_job(label, seed, 0)
-        for event in scenario.drifts_through(first_round - 1):  # the data at the checkpoint
-            apply_drift(federation, event, pool)
-        ctx.set_masks(*scenario.masks(first_round))
-        if state is None:
-            state = algorithm.init_state()
-        last = cfg.rounds if stop_after_round is None else min(cfg.rounds, stop_after_round)
-        bar = tqdm(
-            range(first_round, last + 1),
-            desc=f"{label} seed {seed}",
-            disable=not progress,
-            leave=True,
-            unit="round",
-            dynamic_ncols=True,
-        )
-        started = time.perf_counter() - wall
-        for rnd in bar:
-            row = self._round(algorithm, state, rnd, seed, label, rundir, dynamics)
-            rows.append(row)
-            if not math.isnan(row["accuracy"]):
-                bar.set_postfix(acc=f"{row['accuracy']:.3f}", refresh=False)
-            if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds:
-                _atomic_torch_save(
-                    {
-                        "round": rnd,
-                        "state": state,
-                        "rows": rows,
-                        "wall_seconds": time.perf_counter() - started,
-                        "privacy": None if privacy is None else privacy.state_dict(),
-                    },
-                    ckpt_path,
-                )
-        bar.close()
-        if last == cfg.rounds:
-            rundir.save_artifacts(label, seed, algorithm.artifacts(state))
-        return JobResult(label, seed, rows, time.perf_counter() - started)
+            self.channel.client_transforms.append(faulty)
+        self.algorithm: Algorithm = ALGORITHMS[spec.name](algorithm_params(spec), ctx)
+        self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy)
+        self.info.groups = federation.groups
 
-    def _round(
-        self,
-        algorithm: Algorithm,
-        state: dict,
-        rnd: int,
-        seed: int,
-        label: str,
-        rundir: RunDirectory,
-        dynamics: tuple[Scenario, DriftPool | None],
-    ) -> dict[str, object]:
-        cfg = self.config
-        ctx = algorithm.ctx
-        federation = ctx.sim.federation
-        events = start_round(ctx, rnd, *dynamics)
-        client_before = ctx.sim.seconds
+    def run(
+        self, rundir: RunDirectory, resume: bool, last: int, callbacks: list[Callback]
+    ) -> JobResult:
+        info = self.info
+        state = self._restore(rundir) if resume else None
+        for event in self.scenario.drifts_through(info.first_round - 1):  # data at the checkpoint
+            apply_drift(self.backend.federation, event, self.pool)
+        self.channel.set_masks(*self.scenario.masks(info.first_round))
+        if state is None:
+            state = self.algorithm.init_state()
+        for callback in callbacks:
+            callback.on_job_start(info)
+        started = time.perf_counter() - info.wall_offset
+        for rnd in range(info.first_round, last + 1):
+            row = self._round(state, rnd)
+            info.rows.append(row)
+            stop = [callback.on_round_end(info, rnd, row, state) for callback in callbacks]
+            if any(stop):
+                break
+        result = JobResult(info.label, info.seed, info.rows, time.perf_counter() - started)
+        if last == self.config.rounds:
+            rundir.save_artifacts(info.label, info.seed, self.algorithm.artifacts(state))
+        for callback in callbacks:
+            callback.on_job_end(info, result)
+        return result
+
+    def _restore(self, rundir: RunDirectory) -> State | None:
+        """The checkpointed state of a resumed job (``None``: start afresh), its rows
+        and round; the run directory's tables cut back to the checkpoint."""
+        info = self.info
+        path = rundir.checkpoint_path(info.label, info.seed)
+        if not path.exists():
+            rundir.rebuild_job(info.label, info.seed, {})
+            return None
+        ckpt = load_checkpoint(path)
+        try:
+            state = self.algorithm.StateType.from_record(ckpt.state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FedclusterError(
+                f"checkpoint {path} does not hold a {info.label} state: {exc}"
+            ) from None
+        info.first_round = ckpt.round + 1
+        info.rows = ckpt.rows
+        info.wall_offset = ckpt.wall_seconds
+        info.restored = ckpt
+        lines = ckpt.lines(rundir, info.label, info.seed, info.groups)
+        repaired = rundir.rebuild_job(info.label, info.seed, lines)
+        if any(len(rows) for rows in lines.values()) and repaired:
+            log.warning(
+                "resume: %s seed %d: rebuilt %s from its checkpoint (round %d); "
+                "rows that had been edited, cut or deleted are restored",
+                info.label,
+                info.seed,
+                ", ".join(repaired),
+                ckpt.round,
+            )
+        if self.privacy is not None:
+            self.privacy.load_state_dict(ckpt.privacy)
+        return state
+
+    def _round(self, state: State, rnd: int) -> dict[str, object]:
+        """Run and measure round ``rnd``; the round's records go to ``self.info``."""
+        cfg, info, channel, algorithm = self.config, self.info, self.channel, self.algorithm
+        federation = self.backend.federation
+        events = self._start_round(rnd)
+        client_before = self.backend.seconds
         t0 = time.perf_counter()
-        selected = select_clients(federation.n_clients, cfg, seed, rnd, ctx.available)
+        selected = select_clients(federation.n_clients, cfg, info.seed, rnd, channel.available)
         loss = algorithm.run_round(state, rnd, selected) if len(selected) else math.nan
         round_seconds = time.perf_counter() - t0
-        client_seconds = ctx.sim.seconds - client_before
+        client_seconds = self.backend.seconds - client_before
         row: dict[str, object] = {
             "round": rnd,
-            "algorithm": label,
-            "seed": seed,
+            "algorithm": info.label,
+            "seed": info.seed,
             "loss": loss,
-            "bytes_up": ctx.comm.up,
-            "bytes_down": ctx.comm.down,
-            "rejected": len(ctx.rejected),
-            "failed": len(ctx.failed),
-            "epsilon": reported_epsilon(ctx),
+            "bytes_up": channel.traffic.up,
+            "bytes_down": channel.traffic.down,
+            "rejected": len(channel.rejected),
+            "failed": len(channel.failed),
+            "epsilon": reported_epsilon(self.privacy),
             "client_seconds": client_seconds,
             "server_seconds": round_seconds - client_seconds,
         }
         assign = algorithm.clusters(state)
         if assign is not None:  # clients not (or no longer) in the federation: unassigned
-            assign = np.where(ctx.present, assign, -1)
+            assign = np.where(channel.present, assign, -1)
         row.update(cluster_columns(assign, federation.groups))
         t1 = time.perf_counter()
-        if ctx.present.any() and (rnd % cfg.eval_every == 0 or rnd == cfg.rounds):
+        if channel.present.any() and (rnd % cfg.eval_every == 0 or rnd == cfg.rounds):
             row.update(accuracy_columns(algorithm.evaluate(state, rnd)))
         else:
             row.update(
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan
             )
         row["eval_seconds"] = time.perf_counter() - t1
-        rundir.append(rundir.metrics, [format_row(row)])
-        events += ctx.events
-        if events:
-            rundir.append(rundir.events, [[label, seed, rnd, *event] for event in events])
-        diagnostics = algorithm.diagnostics(state)
-        if diagnostics:
-            rundir.append(
-                rundir.diagnostics,
-                [[label, seed, rnd, k, repr(float(v))] for k, v in diagnostics.items()],
-            )
-        if self.callbacks:
-            job = JobInfo(RunInfo(rundir.path, cfg), label, seed)
-            for callback in self.callbacks:
-                callback.on_round_end(job, rnd, row, state)
-        if assign is not None:
-            groups = federation.groups
-            rundir.append(
-                rundir.clusters,
-                [
-                    [label, seed, rnd, c, int(assign[c]), "" if groups is None else int(groups[c])]
-                    for c in range(federation.n_clients)
-                ],
-            )
+        info.events = events + channel.events
+        info.clusters = assign
+        info.diagnostics = algorithm.diagnostics(state)
         return row
 
-
-def start_round(
-    ctx: Context, rnd: int, scenario: Scenario, pool: DriftPool | None
-) -> list[tuple[int, str, str]]:
-    """Prepare round ``rnd`` of a job: the scenario's masks in ``ctx``, the round's drift applied.
-
-    Returns the round's scenario events ``(client, kind, detail)`` for
-    ``events.csv``: the faulty clients (round 1), joins, departures and drift.
-    """
-    ctx.start_round(*scenario.masks(rnd))
-    events = [(c, "faulty", fault) for c, fault in scenario.faulty()] if rnd == 1 else []
-    events += [(int(c), "join", "") for c in scenario.joins(rnd)]
-    events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
-    for event in scenario.drifts(rnd):
-        detail = apply_drift(ctx.sim.federation, event, pool)
-        events.append((event.client, "drift", f"{event.kind}: {detail}"))
-    return events
-
-
-def _finite(values: list[float]) -> list[float]:
-    return [v for v in values if isinstance(v, float) and not math.isnan(v)]
-
-
-def job_summary(job: JobResult) -> dict[str, object]:
-    """Final and best accuracy, final purity, rounds to 0.9 purity, bytes and time of a job."""
-    accs = _finite([r["accuracy"] for r in job.rows])
-    last = job.rows[-1] if job.rows else {}
-    purity_round = next(
-        (r["round"] for r in job.rows if isinstance(r.get("purity"), float) and r["purity"] >= 0.9),
-        None,
-    )
-    return {
-        "algorithm": job.algorithm,
-        "seed": job.seed,
-        "rounds": len(job.rows),
-        "final_accuracy": accs[-1] if accs else None,
-        "best_accuracy": max(accs) if accs else None,
-        "final_accuracy_mean": last.get("accuracy_mean"),
-        "final_accuracy_std": last.get("accuracy_std"),
-        "final_purity": None if _nan(last.get("purity")) else last.get("purity"),
-        "rounds_to_purity_0.9": purity_round,
-        "bytes_up": int(sum(r["bytes_up"] for r in job.rows)),
-        "bytes_down": int(sum(r["bytes_down"] for r in job.rows)),
-        "wall_seconds": job.wall_seconds,
-    }
-
-
-def _nan(v: object) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
-
-
-def write_summary(path: Path, config: ExperimentConfig, results: list[JobResult]) -> None:
-    """``summary.json`` (per-job summaries, NaN as null) and ``summary.md`` (the table)."""
-    jobs = [{k: None if _nan(v) else v for k, v in job_summary(j).items()} for j in results]
-    text = json.dumps({"name": config.name, "jobs": jobs}, indent=2, allow_nan=False)
-    _atomic_write_text(path / "summary.json", text)
-    _atomic_write_text(path / "summary.md", format_table(summary_rows(jobs)) + "\n")
+    def _start_round(self, rnd: int) -> list[tuple[int, str, str]]:
+        """Set the scenario's masks and apply the round's drift; the scenario's events
+        ``(client, kind, detail)``: faulty clients (round 1), joins, departures, drift."""
+        scenario = self.scenario
+        self.channel.start_round(*scenario.masks(rnd))
+        events = [(c, "faulty", fault) for c, fault in scenario.faulty()] if rnd == 1 else []
+        events += [(int(c), "join", "") for c in scenario.joins(rnd)]
+        events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
+        for event in scenario.drifts(rnd):
+            detail = apply_drift(self.backend.federation, event, self.pool)
+            events.append((event.client, "drift", f"{event.kind}: {detail}"))
+        return events
 
 
 def resume(
     out: str | Path,
     progress: bool = True,
     experiment_factory: Callable[[ExperimentConfig], Experiment] = Experiment,
-    callbacks: list[Callback] | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config."""
     path = Path(out)
     config = validate_config(load_yaml(path / "config.yaml"))
     experiment = experiment_factory(config)
-    experiment.callbacks += callbacks or []
+    experiment.callbacks += list(callbacks)
     return experiment.run(path, resume=True, progress=progress)

@@ -12,6 +12,20 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     jgl,
     local,
 )
-from fedcluster.algorithms.base import ALGORITHMS, Algorithm, AlgorithmParams, Context
+from fedcluster.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    AlgorithmParams,
+    Context,
+    algorithm_params,
+    check_algorithms,
+)
 
-__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "Context"]
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "AlgorithmParams",
+    "Context",
+    "algorithm_params",
+    "check_algorithms",
+]

@@ -6,43 +6,84 @@ clients and what they compute (DESIGN principle 1):
 
 - an algorithm is *server logic*: who gets which model, clustering,
   aggregation -- the methods of :class:`Algorithm`;
-- what a client computes is a named client computation of the backend
-  (:class:`~fedcluster.engine.backend.Backend`: ``train``,
-  ``losses_and_grads``, ``evaluate``, ...), run for many clients at once by
-  the simulator and for one client per node on Flower;
-- every payload is counted in :class:`Comm` where it is sent, so
-  ``bytes_up`` / ``bytes_down`` are exact and privacy can be reasoned about.
-
-Server state is a plain ``dict`` of tensors, arrays and numbers, so a
-checkpoint is ``torch.save(state)`` and a resumed run continues exactly.
+- what a client computes is a registered client computation
+  (:class:`~fedcluster.engine.computation.ClientComputation`: train, the
+  K-model losses, evaluate, JGL's gradient products, CFLGT's trajectory, or
+  one an algorithm declares), run for many clients at once by the simulator
+  and for one client per node on Flower;
+- every request goes through one channel
+  (:class:`~fedcluster.algorithms.channel.Channel`) that applies failures,
+  local DP, rejection of malformed replies and byte counting, so
+  ``bytes_up`` / ``bytes_down`` are measured from the payloads.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
-from fedcluster.engine.backend import Backend
+from fedcluster.algorithms.channel import Channel, Replies, UpdateBound
+from fedcluster.config import AlgorithmSpec, ExperimentConfig, describe_error
+from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.client_computations import EVALUATE, TRAIN
+from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.engine.results import EvalResult
+from fedcluster.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedcluster.privacy import LocalDP
 
-State = dict[str, Any]
 
-FLOAT_BYTES = 4  # parameters travel as float32
-INT_BYTES = 4  # sample counts and cluster ids travel as int32
+@dataclass
+class State:
+    """An algorithm's server state: a dataclass of tensors, arrays, numbers and lists of them.
+
+    Each algorithm declares its own subclass (e.g. ``FedAvgState``). A checkpoint
+    stores :meth:`to_record`, which holds only tensors, numbers, strings, None,
+    lists and dicts -- what ``torch.load(weights_only=True)`` reads without running
+    any code -- and :meth:`from_record` rebuilds the state exactly, so a resumed
+    run continues with the same numbers.
+    """
+
+    def to_record(self) -> dict[str, Any]:
+        fields = {k: _encode(v) for k, v in vars(self).items()}
+        return {"type": type(self).__name__, "fields": fields}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> State:
+        if record.get("type") != cls.__name__:
+            raise ValueError(f"checkpoint holds a {record.get('type')}, expected a {cls.__name__}")
+        return cls(**{k: _decode(v) for k, v in record["fields"].items()})
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {"ndarray": torch.from_numpy(np.ascontiguousarray(value).copy())}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, torch.Tensor | int | float | bool | str):
+        return value
+    raise TypeError(f"server state values are tensors, arrays and numbers, not {type(value)}")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"ndarray"}:
+        return value["ndarray"].numpy()
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
 
 log = logging.getLogger("fedcluster")
 
@@ -51,28 +92,6 @@ class AlgorithmParams(BaseModel):
     """Hyperparameters of an algorithm; unknown keys are an error naming the key."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-@dataclass
-class Comm:
-    """Bytes sent by the server (down) and by clients (up) in the current round."""
-
-    up: int = 0
-    down: int = 0
-
-    def broadcast(self, n_clients: int, floats: int = 0, ints: int = 0) -> None:
-        """The server sends each of ``n_clients`` clients ``floats`` float32 and ``ints`` int32."""
-        self.down += int(n_clients) * (FLOAT_BYTES * int(floats) + INT_BYTES * int(ints))
-
-    def upload(self, n_clients: int, floats: int = 0, ints: int = 0) -> None:
-        """Each of ``n_clients`` clients sends ``floats`` float32 and ``ints`` int32."""
-        self.up += int(n_clients) * (FLOAT_BYTES * int(floats) + INT_BYTES * int(ints))
-
-
-UploadTransform = Callable[[np.ndarray, torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""What a client does to its model between local training and upload, in
-:meth:`Context.exchange`: ``(clients, start_rows, trained_rows, round) -> rows``
-(e.g. a simulated faulty client)."""
 
 
 @dataclass
@@ -89,97 +108,67 @@ class Exchange:
     loss: torch.Tensor
 
 
-@dataclass(frozen=True)
-class UpdateBound:
-    """Server-side rejection of absurdly large updates, in :meth:`Context.exchange`.
-
-    An update u_i = w_i − w_start (after the client transforms) is rejected
-    when ‖u_i‖ > ``max_norm``, or when ‖u_i‖ > ``norm_factor`` × the median
-    norm of the finite updates of the same exchange -- a robust yardstick as
-    long as fewer than half the clients misbehave (cf. the median rules of
-    Byzantine-robust aggregation, Yin et al., ICML 2018). The relative rule
-    needs at least ``MEDIAN_MIN_UPDATES`` finite updates (a median of one or
-    two is no yardstick) and a positive median; ``None`` switches a rule off.
-    The default factor of 100 only catches updates no honest client sends.
-    """
-
-    norm_factor: float | None = 100.0
-    max_norm: float | None = None
-
-
-MEDIAN_MIN_UPDATES = 3  # finite updates an exchange needs for UpdateBound's relative rule
-
-
 @dataclass
 class Context:
-    """What an algorithm may use: the backend, local-training defaults, seed, initial model.
+    """What an algorithm may use: the channel to its clients, local-training defaults,
+    seed and initial model.
 
-    :meth:`exchange` is the one path by which client models reach the server:
-    it runs the clients' local training, counts the upload, and rejects
-    malformed updates (non-finite values, norms beyond ``bound``) before any
-    aggregation or clustering, logging the client and recording it in
-    ``rejected``.
+    Every request to clients goes through :attr:`channel`
+    (:class:`~fedcluster.algorithms.channel.Channel`: failures, local DP,
+    rejection, byte counting); :meth:`exchange` is its shorthand for local
+    training, :meth:`ask` for any client computation.
 
-    Dynamic federations (:mod:`fedcluster.scenario`). The runner calls
-    :meth:`start_round` before every round with the clients that are
-    ``present`` (joined and not departed: the federation of that round,
-    evaluated by :meth:`Algorithm.evaluate`), ``available`` (present and
-    reachable: the runner selects among them, and an algorithm that contacts
-    clients on its own -- a clustering round, a cold start -- contacts only
-    these) and ``failing`` (they receive what the server sends but never
-    reply). All clients are present and available, and none fails, unless
-    told otherwise. A failing client's broadcast is counted by the algorithm
-    as usual; it trains nothing and uploads nothing (:meth:`respond`).
+    Dynamic federations (:mod:`fedcluster.scenario`). Before every round the
+    runner sets the clients that are ``present`` (joined and not departed:
+    the federation of that round, evaluated by :meth:`Algorithm.evaluate`),
+    ``available`` (present and reachable: the runner selects among them, and
+    an algorithm that contacts clients on its own -- a clustering round, a
+    cold start -- contacts only these) and ``failing`` (they receive what the
+    server sends but never reply). All clients are present and available, and
+    none fails, unless told otherwise.
     """
 
-    sim: Backend
+    channel: Channel
     train: LocalTraining
     seed: int
     init_row: torch.Tensor
-    comm: Comm = field(default_factory=Comm)
-    rejected: list[int] = field(default_factory=list)
-    client_transforms: list[UploadTransform] = field(default_factory=list)
-    privacy: LocalDP | None = None
-    """Local DP of the uploads (:class:`~fedcluster.privacy.LocalDP`): the backend
-    releases them where the client is, :meth:`exchange` records them in its ledger."""
-    bound: UpdateBound = field(default_factory=UpdateBound)
-    failed: list[int] = field(default_factory=list)
-    events: list[tuple[int, str, str]] = field(default_factory=list)
-    """The round's ``(client, kind, detail)`` records: ``failed`` and ``rejected``."""
-    present: np.ndarray = field(init=False)
-    available: np.ndarray = field(init=False)
-    failing: np.ndarray = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.set_masks()
+    @classmethod
+    def for_backend(
+        cls,
+        backend: Backend,
+        train: LocalTraining,
+        seed: int,
+        init_row: torch.Tensor,
+        privacy: LocalDP | None = None,
+        bound: UpdateBound | None = None,
+    ) -> Context:
+        """A context whose channel reaches ``backend``'s clients; with local DP
+        (``privacy``) its uploads are released and record level trains with DP-SGD."""
+        channel = Channel(backend, seed, privacy, bound=bound or UpdateBound())
+        if privacy is not None:
+            train = privacy.local_training(train)
+        return cls(channel=channel, train=train, seed=seed, init_row=init_row)
 
-    def start_round(
-        self,
-        present: np.ndarray | None = None,
-        available: np.ndarray | None = None,
-        failing: np.ndarray | None = None,
-    ) -> None:
-        """Clear the round's bytes, rejections, failures and events; set the round's masks."""
-        self.comm = Comm()
-        self.rejected = []
-        self.failed = []
-        self.events = []
-        self.set_masks(present, available, failing)
+    @property
+    def federation(self) -> FederationView:
+        return self.channel.backend.federation
 
-    def set_masks(
-        self,
-        present: np.ndarray | None = None,
-        available: np.ndarray | None = None,
-        failing: np.ndarray | None = None,
-    ) -> None:
-        """Who is present, available and failing (boolean [n_clients]).
+    @property
+    def present(self) -> np.ndarray:
+        return self.channel.present
 
-        By default everyone is present and available and nobody fails.
-        """
-        n = self.n_clients
-        self.present = np.ones(n, dtype=bool) if present is None else np.asarray(present)
-        self.available = self.present.copy() if available is None else np.asarray(available)
-        self.failing = np.zeros(n, dtype=bool) if failing is None else np.asarray(failing)
+    @property
+    def available(self) -> np.ndarray:
+        return self.channel.available
+
+    @property
+    def rejected(self) -> list[int]:
+        return self.channel.rejected
+
+    @property
+    def privacy(self) -> LocalDP | None:
+        return self.channel.privacy
 
     def available_clients(self) -> np.ndarray:
         """Ids of the clients the server can reach this round."""
@@ -187,23 +176,35 @@ class Context:
 
     @property
     def n_clients(self) -> int:
-        return self.sim.federation.n_clients
+        return self.federation.n_clients
 
     @property
     def dim(self) -> int:
-        return self.sim.layout.dim
+        return self.channel.backend.layout.dim
 
     @property
     def train_sizes(self) -> np.ndarray:
-        return self.sim.federation.train_sizes
+        return self.federation.train_sizes
 
     def fresh_rows(self, k: int, purpose: str) -> torch.Tensor:
         """``k`` independently initialised models [k, d], derived from ``(seed, purpose)``."""
-        return torch.stack([init_row(self.sim.model, self.seed, purpose, i) for i in range(k)])
+        model = self.channel.backend.model
+        return torch.stack([init_row(model, self.seed, purpose, i) for i in range(k)])
 
     def local(self, **changes: Any) -> LocalTraining:
         """The local-training defaults with some fields changed (e.g. ``mu``)."""
         return replace(self.train, **changes)
+
+    def ask(
+        self,
+        computation: ClientComputation,
+        clients: np.ndarray,
+        request: Request,
+        rnd: int,
+        **options: Any,
+    ) -> Replies:
+        """Run ``computation`` on ``clients`` through the channel (:meth:`Channel.ask`)."""
+        return self.channel.ask(computation, clients, request, rnd, **options)
 
     def exchange(
         self,
@@ -213,97 +214,43 @@ class Context:
         cfg: LocalTraining | None = None,
         purpose: str = "train",
         ints: int = 0,
+        held: bool = False,
     ) -> Exchange:
-        """Clients train from ``start`` ([n, d] or [d]) and upload their models.
+        """Clients receive ``start`` ([n, d] or [d]), train, and upload their models.
 
-        Counts ``dim`` floats plus ``ints`` integers uploaded per replying
-        client (the caller counts what it broadcast). Failing clients
-        (:meth:`respond`) neither train nor upload; updates with NaN or Inf,
-        or beyond ``bound`` (:meth:`accept_bounded`), are rejected.
+        Counts the start row down per client (unless ``held``: the clients already
+        received it this round), ``dim`` floats plus ``ints`` integers up per
+        replying client. Failing clients neither train nor upload; malformed
+        updates are rejected (:class:`~fedcluster.algorithms.channel.Channel`).
         """
         clients = np.asarray(clients, dtype=np.int64)
-        start_rows = start.expand(len(clients), -1) if start.dim() == 1 else start
-        reply = self.respond(clients, rnd)
-        if not reply.all():
-            clients, start, start_rows = clients[reply], start_rows[reply], start_rows[reply]
-        if not len(clients):
-            return Exchange(reply, clients, torch.empty(0, self.dim), torch.empty(0))
-        result = self.sim.train(
-            clients, start, cfg or self.train, rnd, purpose, privacy=self.privacy
+        payload = {"start": start}
+        request = Request(
+            shared=payload if start.dim() == 1 else {},
+            own=payload if start.dim() == 2 else {},
+            settings={"train": cfg or self.train, "round": rnd, "purpose": purpose},
+            held=frozenset({"start"}) if held else frozenset(),
         )
-        if self.privacy is not None:
-            self.privacy.record(clients, result.steps, rnd)
-        rows = result.rows
-        for transform in self.client_transforms:
-            rows = transform(clients, start_rows, rows, rnd)
-        self.comm.upload(len(clients), floats=self.dim, ints=ints)
-        keep = self.accept_finite(clients, rows, rnd, "update")
-        keep &= self.accept_bounded(clients, rows - start_rows, keep, rnd)
-        mask = torch.as_tensor(keep)
-        asked = reply.copy()
-        asked[reply] = keep
-        return Exchange(asked, clients[keep], rows[mask], result.loss[mask])
+        replies = self.channel.ask(TRAIN, clients, request, rnd, metadata_ints=ints)
+        return Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
 
-    def respond(self, clients: np.ndarray, rnd: int) -> np.ndarray:
-        """Mask over ``clients`` of those that reply; the ``failing`` ones are logged in ``failed``.
+    def evaluate(
+        self, clients: np.ndarray, rows: torch.Tensor, model_of_client: np.ndarray, rnd: int
+    ) -> EvalResult:
+        """Test accuracy of ``rows[model_of_client[i]]`` on client ``clients[i]`` (a measurement).
 
-        A failing client received what the server sent (the caller's
-        broadcast counts it) but sends nothing back; it is recorded once per
-        round however often it is asked.
+        Clients whose evaluation reply was rejected are left out.
         """
-        reply = ~self.failing[clients]
-        for c in clients[~reply]:
-            if int(c) not in self.failed:
-                log.info("round %d: client %d did not reply", rnd, c)
-                self.failed.append(int(c))
-                self.events.append((int(c), "failed", "no reply"))
-        return reply
-
-    def _reject(self, client: int, rnd: int, what: str, reason: str) -> None:
-        log.warning("round %d: rejected the %s of client %d (%s)", rnd, what, client, reason)
-        self.rejected.append(int(client))
-        self.events.append((int(client), "rejected", f"{what}: {reason}"))
-
-    def accept_finite(
-        self, clients: np.ndarray, payload: torch.Tensor, rnd: int, what: str
-    ) -> np.ndarray:
-        """Mask over ``clients`` of those whose ``payload`` [n, ...] is all finite.
-
-        The others are rejected: logged and recorded in ``rejected``. Used by
-        :meth:`exchange` for models and by algorithms for other uploads (e.g.
-        CFLGT's gradient trajectories).
-        """
-        flat = payload.flatten(1)
-        # A row sum is finite unless the row holds NaN/Inf (or overflows): check only those.
-        keep = flat.sum(dim=1).isfinite()
-        for i in torch.nonzero(~keep).flatten().tolist():
-            keep[i] = bool(torch.isfinite(flat[i]).all())
-        keep = keep.numpy()
-        for c in clients[~keep]:
-            self._reject(c, rnd, what, "non-finite values")
-        return keep
-
-    def accept_bounded(
-        self, clients: np.ndarray, updates: torch.Tensor, finite: np.ndarray, rnd: int
-    ) -> np.ndarray:
-        """Mask over ``clients`` of the ``finite`` ones whose update [n, d] is within ``bound``.
-
-        The others among the finite ones are rejected (see :class:`UpdateBound`).
-        """
-        norms = updates.norm(dim=1).double()
-        overflow = torch.nonzero(~norms.isfinite()).flatten()  # float32 squares overflow
-        norms[overflow] = updates[overflow].double().norm(dim=1)
-        norms = norms.numpy()
-        limit = math.inf if self.bound.max_norm is None else self.bound.max_norm
-        ok_norms = norms[finite]
-        if self.bound.norm_factor is not None and len(ok_norms) >= MEDIAN_MIN_UPDATES:
-            median = float(np.median(ok_norms))
-            if median > 0.0:
-                limit = min(limit, self.bound.norm_factor * median)
-        keep = finite & (norms <= limit)
-        for c, norm in zip(clients[finite & ~keep], norms[finite & ~keep], strict=True):
-            self._reject(c, rnd, "update", f"norm {norm:.3g} > {limit:.3g}")
-        return keep
+        request = Request(
+            shared={"models": rows},
+            own={"model_index": torch.as_tensor(np.asarray(model_of_client, dtype=np.int64))},
+            settings={"split": "test"},
+            pick={"model": ("models", "model_index")},
+        )
+        replies = self.channel.ask(EVALUATE, clients, request, rnd, measurement=True)
+        return EvalResult(
+            replies["correct"].numpy(), replies["count"].numpy(), replies["loss_sum"].numpy()
+        )
 
 
 def init_row(model: nn.Module, seed: int, purpose: str, index: int = 0) -> torch.Tensor:
@@ -330,6 +277,8 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    StateType: ClassVar[type[State]] = State
+    """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
 
     def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
         self.params = params
@@ -358,7 +307,7 @@ class Algorithm(ABC):
         """Test accuracy of every present client with the model it would use."""
         rows, model_of_client = self.eval_rows(state)
         clients = np.flatnonzero(self.ctx.present)
-        return self.ctx.sim.evaluate(clients, rows, model_of_client[clients])
+        return self.ctx.evaluate(clients, rows, model_of_client[clients], rnd)
 
     def clusters(self, state: State) -> np.ndarray | None:
         """Cluster id of every client (−1 unassigned), or ``None`` for unclustered methods."""
@@ -374,6 +323,27 @@ class Algorithm(ABC):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def algorithm_params(spec: AlgorithmSpec, index: int = 0) -> AlgorithmParams:
+    """The validated parameters of config entry ``algorithms.<index>``; a
+    :class:`~fedcluster.errors.ConfigError` names the unknown algorithm or the bad field."""
+    if spec.name not in ALGORITHMS:
+        allowed = ", ".join(sorted(ALGORITHMS))
+        raise ConfigError(
+            f"field 'algorithms.{index}.name': unknown algorithm {spec.name!r}; allowed: {allowed}"
+        )
+    try:
+        return ALGORITHMS[spec.name].Params(**spec.params)
+    except ValidationError as exc:
+        fields = "; ".join(describe_error(e, f"algorithms.{index}.params") for e in exc.errors())
+        raise ConfigError(f"invalid config: {spec.name} {fields}") from None
+
+
+def check_algorithms(config: ExperimentConfig) -> None:
+    """Validate every algorithm entry of ``config`` (names and params) before a run starts."""
+    for i, spec in enumerate(config.algorithms):
+        algorithm_params(spec, i)
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:

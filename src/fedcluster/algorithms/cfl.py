@@ -66,6 +66,8 @@ assume a fixed population):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -98,23 +100,36 @@ class CFLParams(AlgorithmParams):
     )
 
 
+@dataclass
+class CFLState(State):
+    clusters: list[np.ndarray]
+    """The members of each cluster."""
+    models: torch.Tensor
+    """The cluster models [K, d]."""
+    update_norms: np.ndarray
+    """Per cluster, the last round's ‖Δθ_c‖ and max_i ‖Δθ_i‖ [K, 2] (NaN: no member took
+    part; the halves of a split report their parent's)."""
+    split_rounds: list[int]
+    root: torch.Tensor | None
+    """θ_root, the model of the first cluster split (newcomers start here)."""
+
+
 @register
 class CFL(Algorithm):
     """Sattler et al.'s clustered FL: recursive bi-partitioning by cosine similarity."""
 
     name = "cfl"
     Params = CFLParams
+    StateType = CFLState
 
-    def init_state(self) -> State:
-        return {
-            "clusters": [np.arange(self.ctx.n_clients, dtype=np.int64)],
-            "models": self.ctx.init_row.unsqueeze(0).clone(),
-            # Per cluster, the last round's ‖Δθ_c‖ and max_i ‖Δθ_i‖ (NaN: no member took
-            # part; the halves of a split report their parent's).
-            "update_norms": np.full((1, 2), np.nan),
-            "split_rounds": [],
-            "root": None,  # θ_root, the model of the first cluster split (newcomers start here)
-        }
+    def init_state(self) -> CFLState:
+        return CFLState(
+            clusters=[np.arange(self.ctx.n_clients, dtype=np.int64)],
+            models=self.ctx.init_row.unsqueeze(0).clone(),
+            update_norms=np.full((1, 2), np.nan),
+            split_rounds=[],
+            root=None,
+        )
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
@@ -125,8 +140,7 @@ class CFL(Algorithm):
         selected, labels = selected[labels >= 0], labels[labels >= 0]  # failed newcomers sit out
         if not len(selected):
             return float("nan")
-        start = state["models"][labels]
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+        start = state.models[labels]
         ex = ctx.exchange(selected, start, rnd, ints=1)  # update and sample count
         if not len(ex.clients):
             return float("nan")
@@ -135,7 +149,7 @@ class CFL(Algorithm):
         sizes = ctx.train_sizes[selected]
 
         clusters, models, norms = [], [], []
-        for c, members in enumerate(state["clusters"]):
+        for c, members in enumerate(state.clusters):
             part = np.flatnonzero(labels == c)
             halves = [members]
             if len(part):
@@ -148,17 +162,17 @@ class CFL(Algorithm):
             else:
                 norm = (np.nan, np.nan)
             if len(halves) == 2:
-                state["split_rounds"].append(rnd)
-                if state["root"] is None:
-                    state["root"] = state["models"][c].clone()
+                state.split_rounds.append(rnd)
+                if state.root is None:
+                    state.root = state.models[c].clone()
             clusters += halves
-            models += [state["models"][c]] * len(halves)
+            models += [state.models[c]] * len(halves)
             norms += [norm] * len(halves)
 
-        state["clusters"] = clusters
-        state["update_norms"] = np.array(norms)
+        state.clusters = clusters
+        state.update_norms = np.array(norms)
         labels = self.clusters(state)[selected]
-        state["models"] = cluster_average(ex.rows, labels, torch.stack(models), sizes)
+        state.models = cluster_average(ex.rows, labels, torch.stack(models), sizes)
         return weighted_loss(ex.loss, sizes)
 
     def _split(
@@ -182,29 +196,28 @@ class CFL(Algorithm):
 
     def assign_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> None:
         """Place clients without a cluster (module docstring: newcomers)."""
-        if len(state["clusters"]) == 1:
-            state["clusters"][0] = np.union1d(state["clusters"][0], clients)
+        if len(state.clusters) == 1:
+            state.clusters[0] = np.union1d(state.clusters[0], clients)
             return
         ctx = self.ctx
-        root = state["root"]
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
+        root = state.root
         ex = ctx.exchange(clients, root, rnd, purpose="newcomer")
         if not len(ex.clients):
             return
-        choice = cosine_to(ex.rows - root, state["models"] - root).argmax(dim=1).numpy()
+        choice = cosine_to(ex.rows - root, state.models - root).argmax(dim=1).numpy()
         for c in np.unique(choice):
-            state["clusters"][c] = np.union1d(state["clusters"][c], ex.clients[choice == c])
+            state.clusters[c] = np.union1d(state.clusters[c], ex.clients[choice == c])
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         """Cluster models; unassigned clients (module docstring) use θ_root."""
         labels = self.clusters(state)
         if (labels >= 0).all():
-            return state["models"], labels
-        rows = torch.cat([state["models"], state["root"].unsqueeze(0)])
-        return rows, np.where(labels >= 0, labels, len(state["models"]))
+            return state.models, labels
+        rows = torch.cat([state.models, state.root.unsqueeze(0)])
+        return rows, np.where(labels >= 0, labels, len(state.models))
 
     def clusters(self, state: State) -> np.ndarray:
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
-        for c, members in enumerate(state["clusters"]):
+        for c, members in enumerate(state.clusters):
             labels[members] = c
         return labels

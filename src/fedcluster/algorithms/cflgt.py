@@ -30,10 +30,10 @@ paper's protocol, set the run's participation to 0.2 as well, so pre-training
 also uses 20% of the clients.
 
 Server-side diagnostics, kept in the state for the run directory:
-``state["trajectories"]`` (float32 [M, C, 2], the accepted clients' in client
-order), ``state["cv"]`` (coefficient
+``state.trajectories`` (float32 [M, C, 2], the accepted clients' in client
+order), ``state.cv`` (coefficient
 of variation of the Z1' and Z2' coordinates of all points, Sec. III-C) and
-``state["hopkins"]`` (Hopkins statistic of the flattened trajectories
+``state.hopkins`` (Hopkins statistic of the flattened trajectories
 [M, 2·C], Sec. IV-D; > 0.75 reads as a clustering tendency). All three are
 ``None`` before the clustering round.
 
@@ -47,7 +47,7 @@ whose participants was accepted keeps its model. In the clustering round the
 upload (FL+HC's model, CFLGT's trajectory) of every client is checked the same
 way: non-finite ones are rejected (logged, ``ctx.rejected``) and only the
 accepted clients are clustered. A rejected client stays unassigned (−1) for
-good (``state["excluded"]``): it trains no more and is evaluated with the
+good (``state.excluded``): it trains no more and is evaluated with the
 pre-trained global model h_g. If no client can be clustered (every upload
 rejected, or for FL+HC fewer accepted updates than clusters), the state is
 unchanged and the next round repeats the clustering round.
@@ -78,7 +78,8 @@ clusters once as well).
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -92,17 +93,81 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
-from fedcluster.algorithms.fedavg import FedAvg
+from fedcluster.algorithms.fedavg import FedAvg, FedAvgState
 from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
+from fedcluster.dp import release_vectors
+from fedcluster.engine.computation import (
+    ClientComputation,
+    Payload,
+    ReplyField,
+    Request,
+    register_computation,
+)
+from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.rng import numpy_rng
+
+if TYPE_CHECKING:
+    from fedcluster.engine.simulator import Simulator
+
+
+def _trajectory(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    row, normalise = request.shared["model"], bool(request.settings["normalise"])
+    return {"trajectory": gradient_trajectories(sim, clients, row, normalise)}
+
+
+def _classes(request: Request) -> tuple[int, ...]:
+    return (int(request.settings["n_classes"]), 2)
+
+
+def _release_trajectory(
+    request: Request, reply: Payload, clients: np.ndarray, seed: int
+) -> Payload:
+    """Client-level local DP of the 2·C floats (:func:`fedcluster.dp.release_vectors`)."""
+    assert request.own_settings is not None
+    tickets = [s["ticket"] for s in request.own_settings]
+    rnd = int(request.settings["round"])
+    traj = release_vectors(tickets, clients, reply["trajectory"], seed, rnd, "trajectory")
+    return {"trajectory": traj}
+
+
+TRAJECTORY = register_computation(
+    ClientComputation(
+        name="cflgt-trajectory",
+        reply={"trajectory": ReplyField(_classes)},
+        batched_run=_trajectory,
+        privacy="release",
+        release=_release_trajectory,
+    )
+)
+"""CFLGT's client computation (Sec. III, eqs. 6-8): the client's gradient trajectory
+[C, 2] under the received model, from one forward pass over its training data."""
 
 
 class OneShotParams(AlgorithmParams):
     pretrain_rounds: int = Field(
         25, ge=0, description="FedAvg rounds before clustering (CFLGT Sec. V-A: 25)"
     )
+
+
+@dataclass
+class OneShotState(FedAvgState):
+    models: torch.Tensor
+    """Cluster models [K, d], empty before clustering."""
+    assign: np.ndarray
+    """Each client's cluster, −1 before clustering."""
+    excluded: np.ndarray
+    """Clients whose clustering-round upload was rejected."""
+
+
+@dataclass
+class CFLGTState(OneShotState):
+    trajectories: torch.Tensor | None = None
+    """The accepted clients' trajectories [M, C, 2] (None before clustering)."""
+    trajectory_clients: np.ndarray | None = None
+    cv: np.ndarray | None = None
+    hopkins: float | None = None
 
 
 class OneShotClustering(Algorithm):
@@ -116,22 +181,23 @@ class OneShotClustering(Algorithm):
     """
 
     Params = OneShotParams
+    StateType = OneShotState
 
     def __init__(self, params: OneShotParams, ctx: Context) -> None:
         super().__init__(params, ctx)
         self.fedavg = FedAvg(FedAvg.Params(), ctx)
 
-    def init_state(self) -> State:
-        return {
-            "global": self.ctx.init_row.clone(),
-            "models": torch.empty(0, self.ctx.dim),
-            "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
-            "excluded": np.zeros(self.ctx.n_clients, dtype=bool),
-        }
+    def init_state(self) -> OneShotState:
+        return OneShotState(
+            global_model=self.ctx.init_row.clone(),
+            models=torch.empty(0, self.ctx.dim),
+            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
+            excluded=np.zeros(self.ctx.n_clients, dtype=bool),
+        )
 
     @staticmethod
     def clustered(state: State) -> bool:
-        return len(state["models"]) > 0
+        return len(state.models) > 0
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         if rnd <= self.params.pretrain_rounds:
@@ -139,20 +205,20 @@ class OneShotClustering(Algorithm):
         if not self.clustered(state):
             labels, loss = self.cluster_clients(state, rnd)
             if (labels >= 0).any():
-                state["assign"] = labels
-                state["models"] = state["global"].unsqueeze(0).repeat(int(labels.max()) + 1, 1)
-                state["excluded"][self.ctx.rejected] = True
+                state.assign = labels
+                state.models = state.global_model.unsqueeze(0).repeat(int(labels.max()) + 1, 1)
+                state.excluded[self.ctx.rejected] = True
             return loss
         participants = self.participants(state, rnd, selected)
-        assign = state["assign"]
-        newcomers = participants[(assign[participants] < 0) & ~state["excluded"][participants]]
+        assign = state.assign
+        newcomers = participants[(assign[participants] < 0) & ~state.excluded[participants]]
         if len(newcomers):
             assign[newcomers] = self.place_newcomers(state, newcomers, rnd)
         return self.cluster_fedavg(state, rnd, participants)
 
     @abstractmethod
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
-        """Cluster labels 0..K−1 of the reachable clients from ``state["global"]``; round loss.
+        """Cluster labels 0..K−1 of the reachable clients from ``state.global_model``; round loss.
 
         −1 labels a client not clustered (unreachable, failed, or its upload
         rejected); all −1 means that nothing could be clustered (the next
@@ -170,13 +236,13 @@ class OneShotClustering(Algorithm):
     def cluster_fedavg(self, state: State, rnd: int, participants: np.ndarray) -> float:
         """One FedAvg round per cluster with its members among ``participants``."""
         exchanges = []
-        for c in range(len(state["models"])):
-            members = participants[state["assign"][participants] == c]
+        for c in range(len(state.models)):
+            members = participants[state.assign[participants] == c]
             if len(members) == 0:
                 continue
-            cluster_state = {"global": state["models"][c]}
+            cluster_state = FedAvgState(state.models[c])
             exchanges.append(self.fedavg.step(cluster_state, rnd, members))
-            state["models"][c] = cluster_state["global"]
+            state.models[c] = cluster_state.global_model
         if not exchanges:
             return float("nan")
         clients = np.concatenate([ex.clients for ex in exchanges])
@@ -185,14 +251,14 @@ class OneShotClustering(Algorithm):
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         """Cluster models; clients without a cluster use the pre-trained global model."""
-        models, assign = state["models"], state["assign"]
+        models, assign = state.models, state.assign
         if (assign >= 0).all():
             return models, assign.copy()
-        rows = torch.cat([models, state["global"].unsqueeze(0)])
+        rows = torch.cat([models, state.global_model.unsqueeze(0)])
         return rows, np.where(assign >= 0, assign, len(models)).astype(np.int64)
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()
 
 
 class CFLGTParams(OneShotParams):
@@ -224,32 +290,27 @@ class CFLGT(OneShotClustering):
 
     name = "cflgt"
     Params = CFLGTParams
+    StateType = CFLGTState
 
-    def init_state(self) -> State:
-        return {
-            **super().init_state(),
-            "trajectories": None,
-            "trajectory_clients": None,
-            "cv": None,
-            "hopkins": None,
-        }
+    def init_state(self) -> CFLGTState:
+        return CFLGTState(**vars(super().init_state()))
 
     def trajectories(
         self, state: State, clients: np.ndarray, rnd: int
     ) -> tuple[np.ndarray, torch.Tensor]:
         """Clients receive h_g and upload their trajectories (eqs. 6-8): accepted ids and [m, C, 2].
 
-        Costs each client h_g down and 2·C floats up (if it replies).
+        Costs each client h_g down and 2·C floats up (if it replies); under
+        client-level local DP the trajectory is released like any upload.
         """
-        ctx = self.ctx
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
-        clients = clients[ctx.respond(clients, rnd)]
-        if not len(clients):
-            return clients, torch.empty(0)
-        traj = ctx.sim.gradient_trajectories(clients, state["global"], self.params.normalise)
-        ctx.comm.upload(len(clients), floats=traj[0].numel())
-        keep = ctx.accept_finite(clients, traj, rnd, "trajectory")
-        return clients[keep], traj[torch.as_tensor(keep)]
+        settings = {
+            "normalise": self.params.normalise,
+            "n_classes": self.ctx.federation.n_classes,
+            "round": rnd,
+        }
+        request = Request(shared={"model": state.global_model}, settings=settings)
+        replies = self.ctx.ask(TRAJECTORY, clients, request, rnd)
+        return replies.clients, replies["trajectory"]
 
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
         ctx = self.ctx
@@ -264,11 +325,11 @@ class CFLGT(OneShotClustering):
             damping=p.damping,
             random_state=int(numpy_rng(ctx.seed, "cflgt/affinity").integers(2**31)),
         )
-        state["trajectories"] = traj
-        state["trajectory_clients"] = clients
-        state["cv"] = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
+        state.trajectories = traj
+        state.trajectory_clients = clients
+        state.cv = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
         if len(traj) >= 2:
-            state["hopkins"] = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
+            state.hopkins = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
         return labels, float("nan")
 
     def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
@@ -277,26 +338,26 @@ class CFLGT(OneShotClustering):
         accepted, traj = self.trajectories(state, clients, rnd)
         if not len(accepted):
             return labels
-        dist = trajectory_distance_to(traj, state["trajectories"])  # [m, M]
-        member_of = state["assign"][state["trajectory_clients"]]
-        k = len(state["models"])
+        dist = trajectory_distance_to(traj, state.trajectories)  # [m, M]
+        member_of = state.assign[state.trajectory_clients]
+        k = len(state.models)
         mean = torch.stack([dist[:, member_of == c].mean(dim=1) for c in range(k)], dim=1)
         labels[np.isin(clients, accepted)] = mean.argmin(dim=1).numpy()
         return labels
 
     def diagnostics(self, state: State) -> dict[str, float]:
-        if state["trajectories"] is None:
+        if state.trajectories is None:
             return {}
-        cv = np.asarray(state["cv"], dtype=np.float64)
+        cv = np.asarray(state.cv, dtype=np.float64)
         out = {"cv_z1": float(cv[0]), "cv_z2": float(cv[1])}
-        if state["hopkins"] is not None:
-            out["hopkins"] = float(state["hopkins"])
+        if state.hopkins is not None:
+            out["hopkins"] = float(state.hopkins)
         return out
 
     def artifacts(self, state: State) -> dict[str, np.ndarray]:
-        if state["trajectories"] is None:
+        if state.trajectories is None:
             return {}
-        return {"trajectories": np.asarray(state["trajectories"]), "cv": np.asarray(state["cv"])}
+        return {"trajectories": np.asarray(state.trajectories), "cv": np.asarray(state.cv)}
 
     def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
         p = self.params
@@ -307,8 +368,8 @@ class CFLGT(OneShotClustering):
         if p.sampling == "global":
             groups = [np.flatnonzero(reachable)]
         else:  # each cluster, then the clients without one (newcomers)
-            labels = np.where(state["excluded"], -2, state["assign"])
-            order = [*range(len(state["models"])), -1]
+            labels = np.where(state.excluded, -2, state.assign)
+            order = [*range(len(state.models)), -1]
             groups = [np.flatnonzero(reachable & (labels == c)) for c in order]
         drawn = [
             rng.choice(g, max(1, round(p.cluster_fraction * len(g))), replace=False)

@@ -26,6 +26,7 @@ not counted; it is offered to reproduce the papers' baselines.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -34,6 +35,9 @@ from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, log, weighted_loss
+from fedcluster.algorithms.channel import Replies
+from fedcluster.engine.client_computations import LOSSES
+from fedcluster.engine.computation import Request
 from fedcluster.rng import numpy_rng
 
 
@@ -55,6 +59,14 @@ class ClusterModelParams(AlgorithmParams):
     )
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The clients that chose (those that answered the decision query) and their clusters."""
+
+    clients: np.ndarray
+    clusters: np.ndarray
+
+
 def argmax_random_ties(score: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
     """Row-wise argmax of ``score`` [n, K], breaking exact ties uniformly at random."""
     s = score.double().numpy()
@@ -63,19 +75,28 @@ def argmax_random_ties(score: torch.Tensor, rng: np.random.Generator) -> np.ndar
     return tie.argmax(axis=1)
 
 
+@dataclass
+class ClusterModelState(State):
+    models: torch.Tensor
+    """The K cluster models [K, d]."""
+    delta: torch.Tensor
+    """Each model's last update Δw_k [K, d] (JGL eq. 2)."""
+    assign: np.ndarray
+    """Each client's last cluster (−1: never chose)."""
+
+
 class ClusterModelAlgorithm(Algorithm):
     """Base class: K cluster models, client-side choice, per-cluster averaging."""
 
     Params = ClusterModelParams
+    StateType = ClusterModelState
 
-    def init_state(self) -> State:
+    def init_state(self) -> ClusterModelState:
         k = self.params.n_clusters
         n = self.ctx.n_clients
-        return {
-            "models": self._initial_models(),
-            "delta": torch.zeros(k, self.ctx.dim),
-            "assign": np.full(n, -1, dtype=np.int64),
-        }
+        return ClusterModelState(
+            self._initial_models(), torch.zeros(k, self.ctx.dim), np.full(n, -1, dtype=np.int64)
+        )
 
     def _initial_models(self) -> torch.Tensor:
         p = self.params
@@ -90,7 +111,7 @@ class ClusterModelAlgorithm(Algorithm):
         for attempt in range(p.max_redraws):
             if attempt:
                 models = ctx.fresh_rows(p.n_clusters, f"cluster-init/{attempt}")
-            loss, _ = ctx.sim.losses_and_grads(clients, models, ctx.train, 0, "init", False)
+            loss = self.model_losses(models, clients, 0, "init", measurement=True)["losses"]
             counts = np.bincount(loss.argmin(dim=1).numpy(), minlength=p.n_clusters)
             if counts.min() >= need:
                 return models
@@ -102,48 +123,66 @@ class ClusterModelAlgorithm(Algorithm):
         )
         return models
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
-        """Cluster choice of each selected client (a client computation)."""
+    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
+        """Cluster choice of the selected clients that answered the decision query."""
         raise NotImplementedError
+
+    def model_losses(
+        self,
+        models: torch.Tensor,
+        clients: np.ndarray,
+        rnd: int,
+        purpose: str,
+        batches: str = "one",
+        measurement: bool = False,
+    ) -> Replies:
+        """The decision query: each client's loss of the K ``models`` [n, K]
+        (:data:`~fedcluster.engine.client_computations.LOSSES`)."""
+        request = Request(
+            shared={"models": models},
+            settings={
+                "train": self.ctx.train,
+                "round": rnd,
+                "purpose": purpose,
+                "batches": batches,
+            },
+        )
+        return self.ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        ctx.comm.broadcast(len(selected), floats=self.broadcast_floats())
-        choice = self.choose(state, rnd, selected)
-        ex = ctx.exchange(selected, state["models"][choice], rnd, ints=self.upload_ints())
+        chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
+        choice = chosen.clusters
+        ex = ctx.exchange(
+            chosen.clients, state.models[choice], rnd, ints=self.upload_ints(), held=True
+        )
         if not len(ex.clients):
             return float("nan")
         choice = choice[ex.keep]
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
-        new = cluster_average(ex.rows, choice, state["models"], weights)
-        state["delta"] = new - state["models"]
-        state["models"] = new
-        state["assign"][ex.clients] = choice
+        new = cluster_average(ex.rows, choice, state.models, weights)
+        state.delta = new - state.models
+        state.models = new
+        state.assign[ex.clients] = choice
         return weighted_loss(ex.loss, sizes)
-
-    def broadcast_floats(self) -> int:
-        """Floats the server sends each selected client per round."""
-        return self.params.n_clusters * self.ctx.dim
 
     def upload_ints(self) -> int:
         """Integers each client uploads besides its model (cluster id, sample count)."""
         return 2 if self.params.weighting == "samples" else 1
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        assign = state["assign"].copy()
+        assign = state.assign.copy()
         unknown = np.flatnonzero((assign < 0) & self.ctx.present)
         if len(unknown):
             # Never-selected clients pick the model with the lowest loss, as IFCA does
             # (clients not present keep −1: nobody evaluates them).
-            loss, _ = self.ctx.sim.losses_and_grads(
-                unknown, state["models"], self.ctx.train, 0, "eval-choice", False
-            )
-            assign[unknown] = loss.argmin(dim=1).numpy()
-        return state["models"], assign
+            loss = self.model_losses(state.models, unknown, 0, "eval-choice", measurement=True)
+            assign[loss.clients] = loss["losses"].argmin(dim=1).numpy()
+        return state.models, assign
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()
 
     def tie_rng(self, rnd: int) -> np.random.Generator:
         return numpy_rng(self.ctx.seed, f"{self.name}/ties", rnd)

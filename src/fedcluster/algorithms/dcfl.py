@@ -45,8 +45,8 @@ Choices where the paper is silent, taken here:
   round-1 participants form C_0 whatever their uploads. A rejected newcomer
   stays unassigned, skips the round and is a newcomer again when next
   selected. A round without an accepted update changes nothing.
-- ``state["dunn"]`` is the DI that decided the round (that of the clustering
-  in force during the round); ``state["reclusterings"]`` counts re-clusterings.
+- ``state.dunn`` is the DI that decided the round (that of the clustering
+  in force during the round); ``state.reclusterings`` counts re-clusterings.
 
 Dynamic federations (:mod:`fedcluster.scenario`), the setting DCFL was built
 for (Sec. III): a client joining after round 1 is a newcomer when first
@@ -58,6 +58,7 @@ paper's reaction to drift, nothing else is needed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -70,6 +71,17 @@ from fedcluster.clustering.distances import DcflVariant, dcfl_distance_matrix, d
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import dunn_index
 from fedcluster.rng import numpy_rng
+
+
+@dataclass
+class DCFLState(State):
+    models: torch.Tensor
+    """The cluster models W_Ck [K, d]."""
+    assign: np.ndarray
+    """Each client's cluster (−1: not yet assigned)."""
+    dunn: float
+    """The Dunn index that decided the last round."""
+    reclusterings: int
 
 
 class DCFLParams(AlgorithmParams):
@@ -90,18 +102,19 @@ class DCFL(Algorithm):
 
     name = "dcfl"
     Params = DCFLParams
+    StateType = DCFLState
 
-    def init_state(self) -> State:
-        return {
-            "models": self.ctx.init_row.unsqueeze(0).clone(),
-            "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
-            "dunn": float("nan"),
-            "reclusterings": 0,
-        }
+    def init_state(self) -> DCFLState:
+        return DCFLState(
+            models=self.ctx.init_row.unsqueeze(0).clone(),
+            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
+            dunn=float("nan"),
+            reclusterings=0,
+        )
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        assign = state["assign"]
+        assign = state.assign
         if (assign < 0).all():
             assign[selected] = 0  # the initial clients form C_0 (Alg. 1 line 1)
         newcomers = selected[assign[selected] < 0]
@@ -109,17 +122,16 @@ class DCFL(Algorithm):
             self.assign_newcomer(state, newcomers, rnd)
             selected = selected[assign[selected] >= 0]  # rejected newcomers sit the round out
         labels = assign[selected]
-        start = state["models"][labels]
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+        start = state.models[labels]
         ex = ctx.exchange(selected, start, rnd)
         if not len(ex.clients):
             return float("nan")
         selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
 
         dist = dcfl_distance_matrix(start, ex.rows, variant=self.params.variant)
-        state["dunn"] = dunn_index(dist, labels)
-        previous = state["models"]
-        if len(previous) == 1 or state["dunn"] < 1.0:
+        state.dunn = dunn_index(dist, labels)
+        previous = state.models
+        if len(previous) == 1 or state.dunn < 1.0:
             labels = affinity_propagation(
                 -dist,
                 preference=self.params.preference,
@@ -127,8 +139,8 @@ class DCFL(Algorithm):
                 random_state=int(numpy_rng(ctx.seed, "dcfl/ap", rnd).integers(2**31)),
             )
             previous = self._recluster(state, selected, labels)
-            state["reclusterings"] += 1
-        state["models"] = cluster_average(ex.rows, labels, previous)
+            state.reclusterings += 1
+        state.models = cluster_average(ex.rows, labels, previous)
         return weighted_loss(ex.loss, ctx.train_sizes[selected])
 
     def _recluster(self, state: State, selected: np.ndarray, labels: np.ndarray) -> torch.Tensor:
@@ -137,7 +149,7 @@ class DCFL(Algorithm):
         Absent clients follow the majority of their old cluster's participants;
         old clusters without participants are kept, numbered after the new ones.
         """
-        old = state["assign"]
+        old = state.assign
         new = np.full_like(old, -1)
         new[selected] = labels
         n_new = int(labels.max()) + 1
@@ -151,23 +163,22 @@ class DCFL(Algorithm):
                 target = n_new + len(kept)
                 kept.append(int(c))
             new[absent[old[absent] == c]] = target
-        state["assign"] = new
+        state.assign = new
         fresh = torch.zeros(n_new, self.ctx.dim)  # every new cluster has participants
-        return torch.cat([fresh, state["models"][kept]])
+        return torch.cat([fresh, state.models[kept]])
 
     def assign_newcomer(self, state: State, client: int | np.ndarray, rnd: int) -> np.ndarray:
         """Eq. 6: newcomers train once from W_G and join the cluster whose W_G → W_Ck is closest.
 
         ``client`` is one client id or an array of them; their clusters are
-        written to ``state["assign"]`` and returned (−1: update rejected, the
+        written to ``state.assign`` and returned (−1: update rejected, the
         newcomer stays unassigned). Costs each newcomer one model down (W_G)
         and one update up; the cluster model follows with the round's broadcast.
         """
         ctx = self.ctx
         clients = np.atleast_1d(np.asarray(client, dtype=np.int64))
-        models = state["models"]
+        models = state.models
         w_g = models.mean(dim=0)
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, w_g, rnd, purpose="newcomer")
         if len(ex.clients):
             dist = dcfl_distance_to(
@@ -177,16 +188,16 @@ class DCFL(Algorithm):
                 models,
                 variant=self.params.variant,
             )
-            state["assign"][ex.clients] = dist.argmin(dim=1).numpy()
-        return state["assign"][clients]
+            state.assign[ex.clients] = dist.argmin(dim=1).numpy()
+        return state.assign[clients]
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return eval_rows_with_average(state["models"], state["assign"])
+        return eval_rows_with_average(state.models, state.assign)
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()
 
     def diagnostics(self, state: State) -> dict[str, float]:
-        if state.get("dunn") is None:
+        if state.dunn is None:
             return {}
-        return {"dunn": float(state["dunn"]), "reclusterings": float(state["reclusterings"])}
+        return {"dunn": float(state.dunn), "reclusterings": float(state.reclusterings)}

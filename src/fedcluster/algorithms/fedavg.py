@@ -19,6 +19,8 @@ model and reports a NaN loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -31,8 +33,16 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.engine.client_computations import TRAIN
+from fedcluster.engine.computation import Request
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.results import EvalResult
+
+
+@dataclass
+class FedAvgState(State):
+    global_model: torch.Tensor
+    """The global model [d]."""
 
 
 class FedAvgParams(AlgorithmParams):
@@ -45,29 +55,29 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     Params = FedAvgParams
+    StateType = FedAvgState
 
-    def init_state(self) -> State:
-        return {"global": self.ctx.init_row.clone()}
+    def init_state(self) -> FedAvgState:
+        return FedAvgState(self.ctx.init_row.clone())
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ex = self.step(state, rnd, selected)
         return weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients])
 
     def step(self, state: State, rnd: int, selected: np.ndarray) -> Exchange:
-        """Broadcast ``state["global"]``, train, and average the accepted models into it.
+        """Broadcast ``state.global_model``, train, and average the accepted models into it.
 
         Without an accepted update the global model stays as it was.
         """
         ctx = self.ctx
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
-        ex = ctx.exchange(selected, state["global"], rnd, ctx.local(mu=self.params.mu), ints=1)
+        ex = ctx.exchange(selected, state.global_model, rnd, ctx.local(mu=self.params.mu), ints=1)
         if len(ex.clients):
             sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
-            state["global"] = weighted_average(ex.rows, sizes)
+            state.global_model = weighted_average(ex.rows, sizes)
         return ex
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return state["global"].unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
+        return state.global_model.unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
 
 
 class FedProxParams(AlgorithmParams):
@@ -100,7 +110,9 @@ class FedAvgFT(FedAvg):
         p = self.params
         clients = np.flatnonzero(ctx.present)
         cfg = ctx.local(epochs=p.ft_epochs, steps=None, lr=p.ft_lr or ctx.train.lr, mu=0.0)
-        tuned = ctx.sim.train(
-            clients, state["global"], cfg, rnd, purpose="finetune", classifier_only=True
+        request = Request(
+            shared={"start": state.global_model},
+            settings={"train": cfg, "round": rnd, "purpose": "finetune", "classifier_only": True},
         )
-        return ctx.sim.evaluate(clients, tuned.rows, np.arange(len(clients)))
+        tuned = ctx.ask(TRAIN, clients, request, rnd, measurement=True)
+        return ctx.evaluate(tuned.clients, tuned["row"], np.arange(len(tuned.clients)), rnd)

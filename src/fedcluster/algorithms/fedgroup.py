@@ -43,7 +43,7 @@ rejected stays without a group and cold-starts (pre-training again) when next
 selected; a cold client whose update is rejected sits its round out. If fewer
 pre-training updates than groups (3 for MADC) are accepted, the group cold
 start cannot group them: the round ends without training (loss NaN) and the
-next round retries with a fresh draw of clients (``state["cold_start_retries"]``
+next round retries with a fresh draw of clients (``state.cold_start_retries``
 keys the draw; the first draw is unchanged). A round without an accepted update
 changes no model.
 
@@ -59,7 +59,7 @@ migration; its successor FlexCFL adds one).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -82,6 +82,19 @@ from fedcluster.errors import ConfigError
 from fedcluster.rng import numpy_rng
 
 PRETRAIN_PURPOSE = "pretrain"  # batch purpose of pre-training (round key 0)
+
+
+@dataclass
+class FedGroupState(State):
+    models: torch.Tensor
+    """The m group models [m, d]."""
+    directions: torch.Tensor
+    """Each group's optimisation direction (Alg. 3) [m, d]."""
+    assign: np.ndarray
+    """Each client's group (−1: cold)."""
+    grouped: bool
+    """Whether the group cold start has happened."""
+    cold_start_retries: int
 
 
 class FedGroupParams(AlgorithmParams):
@@ -131,39 +144,39 @@ class FedGroup(Algorithm):
 
     name = "fedgroup"
     Params = FedGroupParams
+    StateType = FedGroupState
 
-    def init_state(self) -> State:
+    def init_state(self) -> FedGroupState:
         m = self.params.n_groups
-        return {
-            "models": self.ctx.init_row.unsqueeze(0).repeat(m, 1),
-            "directions": torch.zeros(m, self.ctx.dim),
-            "assign": np.full(self.ctx.n_clients, -1, dtype=np.int64),
-            "grouped": False,
-            "cold_start_retries": 0,
-        }
+        return FedGroupState(
+            models=self.ctx.init_row.unsqueeze(0).repeat(m, 1),
+            directions=torch.zeros(m, self.ctx.dim),
+            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
+            grouped=False,
+            cold_start_retries=0,
+        )
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        if not state["grouped"]:
+        if not state.grouped:
             self.group_cold_start(state)
-            if not state["grouped"]:
+            if not state.grouped:
                 return float("nan")  # too few pre-training updates accepted: retried next round
-        cold = selected[state["assign"][selected] < 0]
+        cold = selected[state.assign[selected] < 0]
         if len(cold):
-            state["assign"][cold] = self.client_cold_start(state, cold, rnd)
-            selected = selected[state["assign"][selected] >= 0]  # rejected cold clients sit out
-        groups = state["assign"][selected]
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+            state.assign[cold] = self.client_cold_start(state, cold, rnd)
+            selected = selected[state.assign[selected] >= 0]  # rejected cold clients sit out
+        groups = state.assign[selected]
         ex = ctx.exchange(  # model and sample count
-            selected, state["models"][groups], rnd, ctx.local(mu=self.params.mu), ints=1
+            selected, state.models[groups], rnd, ctx.local(mu=self.params.mu), ints=1
         )
         if not len(ex.clients):
             return float("nan")
         sizes = ctx.train_sizes[ex.clients]
-        models = cluster_average(ex.rows, groups[ex.keep], state["models"], sizes)
+        models = cluster_average(ex.rows, groups[ex.keep], state.models, sizes)
         if self.params.eta_g > 0.0:
             models = inter_group_aggregation(models, self.params.eta_g)
-        state["models"] = models
+        state.models = models
         return weighted_loss(ex.loss, sizes)
 
     def pretrain(self, clients: np.ndarray) -> Exchange:
@@ -173,7 +186,6 @@ class FedGroup(Algorithm):
         """
         ctx = self.ctx
         cfg = ctx.local(epochs=self.params.pretrain_epochs, steps=None, mu=0.0)
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
         ex = ctx.exchange(clients, ctx.init_row, 0, cfg, purpose=PRETRAIN_PURPOSE)
         return replace(ex, rows=ex.rows - ctx.init_row)
 
@@ -201,7 +213,7 @@ class FedGroup(Algorithm):
                 need,
             )
             return
-        retry = state["cold_start_retries"]
+        retry = state.cold_start_retries
         rng = numpy_rng(ctx.seed, "fedgroup/pretrain-clients", *([retry] if retry else []))
         clients = np.sort(rng.choice(available, min(size, len(available)), replace=False))
         ex = self.pretrain(clients)
@@ -213,17 +225,17 @@ class FedGroup(Algorithm):
                 size,
                 need,
             )
-            state["cold_start_retries"] += 1
+            state.cold_start_retries += 1
             return
         if p.rcc:
             labels = np.arange(len(ex.clients))
         else:
             labels = group_labels(ex.rows, p.n_groups, p.measure, int(rng.integers(2**31)))
         w0 = ctx.init_row.unsqueeze(0)
-        state["models"] = cluster_average(ex.rows + w0, labels, w0.repeat(p.n_groups, 1))
-        state["directions"] = state["models"] - w0
-        state["assign"][ex.clients] = labels
-        state["grouped"] = True
+        state.models = cluster_average(ex.rows + w0, labels, w0.repeat(p.n_groups, 1))
+        state.directions = state.models - w0
+        state.assign[ex.clients] = labels
+        state.grouped = True
 
     def client_cold_start(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
         """Eq. 9 (or RAC): the group of each cold client (−1: update rejected)."""
@@ -234,14 +246,14 @@ class FedGroup(Algorithm):
         ex = self.pretrain(clients)
         groups = np.full(len(clients), -1, dtype=np.int64)
         if len(ex.clients):
-            groups[ex.keep] = cosine_to(ex.rows, state["directions"]).argmax(dim=1).numpy()
+            groups[ex.keep] = cosine_to(ex.rows, state.directions).argmax(dim=1).numpy()
         return groups
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return eval_rows_with_average(state["models"], state["assign"])
+        return eval_rows_with_average(state.models, state.assign)
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()
 
 
 @register

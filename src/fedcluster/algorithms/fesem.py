@@ -47,6 +47,7 @@ client moves to the centre nearest its new local model by itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -92,59 +93,65 @@ def kmeanspp_seeds(distance: np.ndarray, k: int, rng: np.random.Generator) -> np
     return np.array(chosen, dtype=np.int64)
 
 
+@dataclass
+class FeSEMState(State):
+    centres: torch.Tensor
+    """The K cluster centres (models) [K, d]."""
+    assign: np.ndarray
+    """Each client's cluster (−1: not yet assigned)."""
+    seeded: bool
+    """Whether the centres have been seeded (k-means++ on the first models)."""
+
+
 @register
 class FeSEM(Algorithm):
     """FeSEM (Xie et al. 2020): stochastic EM of clients' local models around K centres."""
 
     name = "fesem"
     Params = FeSEMParams
+    StateType = FeSEMState
 
-    def init_state(self) -> State:
+    def init_state(self) -> FeSEMState:
         ctx = self.ctx
         p = self.params
         if p.init == "random":
             centres = ctx.fresh_rows(p.n_clusters, "fesem/centres")
         else:
             centres = ctx.init_row.unsqueeze(0).repeat(p.n_clusters, 1)
-        return {
-            "centres": centres,
-            "assign": np.full(ctx.n_clients, -1, dtype=np.int64),
-            "seeded": p.init == "random",
-        }
+        return FeSEMState(centres, np.full(ctx.n_clients, -1, dtype=np.int64), p.init == "random")
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
         p = self.params
-        if not state["seeded"] and len(selected) < p.n_clusters:
+        if not state.seeded and len(selected) < p.n_clusters:
             if not ctx.available.all():
                 return float("nan")  # wait for enough reachable clients (module docstring)
             raise ConfigError(
                 f"fesem.n_clusters: init='clients' needs at least {p.n_clusters} clients "
                 f"in the first round, got {len(selected)}"
             )
-        rows, owner = eval_rows_with_average(state["centres"], state["assign"])
-        ctx.comm.broadcast(len(selected), floats=ctx.dim)
+        rows, owner = eval_rows_with_average(state.centres, state.assign)
         ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
         selected, local, m = ex.clients, ex.rows, len(ex.clients)
         sizes = ctx.train_sizes[selected]
-        if m == 0 or (not state["seeded"] and m < p.n_clusters):
+        if m == 0 or (not state.seeded and m < p.n_clusters):
             return weighted_loss(ex.loss, sizes)  # too few accepted models: nothing changes
-        pair = euclidean_distance_matrix(torch.cat([local, state["centres"]])).numpy()
-        if state["seeded"]:
+        pair = euclidean_distance_matrix(torch.cat([local, state.centres])).numpy()
+        if state.seeded:
             to_centres = pair[:m, m:]
         else:
             seeds = kmeanspp_seeds(pair[:m, :m], p.n_clusters, numpy_rng(ctx.seed, "fesem/seeds"))
-            state["centres"] = local[seeds].clone()
-            state["seeded"] = True
+            state.centres = local[seeds].clone()
+            state.seeded = True
             to_centres = pair[:m, seeds]
         choice = to_centres.argmin(axis=1)
         weights = sizes if p.weighting == "samples" else np.ones(m)
-        state["centres"] = cluster_average(local, choice, state["centres"], weights)
-        state["assign"][selected] = choice
+        state.centres = cluster_average(local, choice, state.centres, weights)
+        state.assign[selected] = choice
         return weighted_loss(ex.loss, sizes)
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return eval_rows_with_average(state["centres"], state["assign"])
+        return eval_rows_with_average(state.centres, state.assign)
 
     def clusters(self, state: State) -> np.ndarray:
-        return state["assign"].copy()
+        return state.assign.copy()

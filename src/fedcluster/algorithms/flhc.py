@@ -14,7 +14,7 @@ updates to improve training on non-IID data", IJCNN 2020.
    their own cluster's model, and clients never change cluster.
 
 The clustering round's locally trained models only serve the clustering, as
-in the paper; each cluster's mean update ΔW is kept (``state["mean_updates"]``)
+in the paper; each cluster's mean update ΔW is kept (``state.mean_updates``)
 to place newcomers (see :mod:`fedcluster.algorithms.cflgt`: a newcomer trains
 from the global model and joins the cluster with the nearest mean update).
 The default 25 pre-training rounds and 5 clusters follow CFLGT's
@@ -25,6 +25,7 @@ The schedule is shared with CFLGT (:class:`~fedcluster.algorithms.cflgt.OneShotC
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from pydantic import Field, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import State, log, register, weighted_loss
-from fedcluster.algorithms.cflgt import OneShotClustering, OneShotParams
+from fedcluster.algorithms.cflgt import OneShotClustering, OneShotParams, OneShotState
 from fedcluster.clustering.methods import Linkage, hierarchical
 from fedcluster.errors import ConfigError
 
@@ -61,15 +62,22 @@ class FLHCParams(OneShotParams):
         return data
 
 
+@dataclass
+class FLHCState(OneShotState):
+    mean_updates: torch.Tensor | None = None
+    """Each cluster's mean clustering-round update ΔW [K, d] (places newcomers)."""
+
+
 @register
 class FLHC(OneShotClustering):
     """FL+HC (Briggs et al. 2020): FedAvg, clustering of the updates, per-cluster FedAvg."""
 
     name = "flhc"
     Params = FLHCParams
+    StateType = FLHCState
 
-    def init_state(self) -> State:
-        return {**super().init_state(), "mean_updates": torch.empty(0, self.ctx.dim)}
+    def init_state(self) -> FLHCState:
+        return FLHCState(**vars(super().init_state()), mean_updates=torch.empty(0, self.ctx.dim))
 
     def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
         ctx = self.ctx
@@ -79,8 +87,7 @@ class FLHC(OneShotClustering):
                 f"flhc.n_clusters: {p.n_clusters} clusters for only {ctx.n_clients} clients"
             )
         clients = ctx.available_clients()
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
-        ex = ctx.exchange(clients, state["global"], rnd)
+        ex = ctx.exchange(clients, state.global_model, rnd)
         loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
         labels = np.full(ctx.n_clients, -1, dtype=np.int64)
         if len(ex.clients) < (p.n_clusters or 1):
@@ -90,7 +97,7 @@ class FLHC(OneShotClustering):
                 p.n_clusters,
             )
             return labels, loss
-        updates = ex.rows - state["global"]
+        updates = ex.rows - state.global_model
         labels[ex.clients] = hierarchical(
             features=updates,
             n_clusters=p.n_clusters,
@@ -98,7 +105,7 @@ class FLHC(OneShotClustering):
             linkage=p.linkage,
         )
         found = labels[ex.clients]
-        state["mean_updates"] = cluster_average(
+        state.mean_updates = cluster_average(
             updates, found, torch.zeros(int(found.max()) + 1, ctx.dim)
         )
         return labels, loss
@@ -107,10 +114,9 @@ class FLHC(OneShotClustering):
         """Nearest mean clustering-round update (:mod:`fedcluster.algorithms.cflgt`)."""
         ctx = self.ctx
         labels = np.full(len(clients), -1, dtype=np.int64)
-        ctx.comm.broadcast(len(clients), floats=ctx.dim)
-        ex = ctx.exchange(clients, state["global"], rnd, purpose="newcomer")
+        ex = ctx.exchange(clients, state.global_model, rnd, purpose="newcomer")
         if len(ex.clients):
-            updates = (ex.rows - state["global"]).double()
-            dist = torch.cdist(updates, state["mean_updates"].double())
+            updates = (ex.rows - state.global_model).double()
+            dist = torch.cdist(updates, state.mean_updates.double())
             labels[ex.keep] = dist.argmin(dim=1).numpy()
         return labels

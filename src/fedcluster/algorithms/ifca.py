@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from fedcluster.algorithms.base import register
 from fedcluster.algorithms.cluster_models import (
+    Choice,
     ClusterModelAlgorithm,
     ClusterModelParams,
     State,
@@ -40,23 +40,9 @@ class IFCA(ClusterModelAlgorithm):
     name = "ifca"
     Params = IFCAParams
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
-        ctx = self.ctx
-        if self.params.choice_batches == "all":
-            loss = _full_data_losses(self, state, selected)
-        else:
-            loss, _ = ctx.sim.losses_and_grads(
-                selected, state["models"], ctx.train, rnd, "decide", with_grads=False
-            )
-        return argmax_random_ties(-loss, self.tie_rng(rnd))
-
-
-def _full_data_losses(alg: IFCA, state: State, selected: np.ndarray) -> torch.Tensor:
-    """Mean training loss of every model on each client's whole training set [n, K]."""
-    sim = alg.ctx.sim
-    k = state["models"].shape[0]
-    out = torch.empty(len(selected), k)
-    for j in range(k):
-        res = sim.evaluate(selected, state["models"], np.full(len(selected), j), split="train")
-        out[:, j] = torch.as_tensor(res.loss_sum / np.maximum(res.count, 1))
-    return out
+    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
+        replies = self.model_losses(
+            state.models, selected, rnd, "decide", self.params.choice_batches
+        )
+        choice = argmax_random_ties(-replies["losses"], self.tie_rng(rnd))
+        return Choice(replies.clients, choice)

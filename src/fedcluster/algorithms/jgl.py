@@ -26,7 +26,7 @@ simulator computes without forming the K gradients of d floats per device
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -34,11 +34,23 @@ from pydantic import Field
 
 from fedcluster.algorithms.base import register
 from fedcluster.algorithms.cluster_models import (
+    Choice,
     ClusterModelAlgorithm,
     ClusterModelParams,
     State,
     argmax_random_ties,
 )
+from fedcluster.engine.client_computations import DECISION_EXEMPTION
+from fedcluster.engine.computation import (
+    ClientComputation,
+    Payload,
+    ReplyField,
+    Request,
+    register_computation,
+)
+
+if TYPE_CHECKING:
+    from fedcluster.engine.simulator import Simulator
 
 
 class JGLParams(ClusterModelParams):
@@ -92,6 +104,39 @@ def fix_empty_clusters(choice: np.ndarray, n_clusters: int, rng: np.random.Gener
     return choice
 
 
+def _n_models(request: Request) -> tuple[int, ...]:
+    return (request.shared["models"].shape[0],)
+
+
+def _gradient_products(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    s = request.settings
+    loss, sq, dot = sim.losses_and_gradient_products(
+        clients,
+        request.shared["models"],
+        request.shared["directions"],
+        s["train"],
+        s["round"],
+        s.get("purpose", "decide"),
+    )
+    return {"losses": loss, "sq": sq, "dot": dot}
+
+
+GRADIENT_PRODUCTS = register_computation(
+    ClientComputation(
+        name="jgl-products",
+        reply={
+            "losses": ReplyField(_n_models, counted=False),
+            "sq": ReplyField(_n_models, counted=False, dtype=torch.float64),
+            "dot": ReplyField(_n_models, counted=False, dtype=torch.float64),
+        },
+        batched_run=_gradient_products,
+        exempt_because=DECISION_EXEMPTION,
+    )
+)
+"""JGL's device-side quantities (eq. 1, 3): for each received model k, the loss L_{i,k}
+on one mini-batch, ‖∇L_{i,k}‖² and ⟨∇L_{i,k}, Δw_k⟩ with the received last update Δw_k."""
+
+
 @register
 class JGL(ClusterModelAlgorithm):
     """JGL (Alg. 1): device-side cluster choice from gradient similarity and loss."""
@@ -99,13 +144,17 @@ class JGL(ClusterModelAlgorithm):
     name = "jgl"
     Params = JGLParams
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
+    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
         p = self.params
         ctx = self.ctx
-        delta = state["delta"]
-        loss, grad_sq, grad_dot = ctx.sim.losses_and_gradient_products(
-            selected, state["models"], delta, ctx.train, rnd, "decide"
+        delta = state.delta
+        request = Request(
+            shared={"models": state.models, "directions": delta},
+            settings={"train": ctx.train, "round": rnd, "purpose": "decide"},
         )
+        replies = ctx.ask(GRADIENT_PRODUCTS, selected, request, rnd)
+        selected = replies.clients
+        loss, grad_sq, grad_dot = replies["losses"], replies["sq"], replies["dot"]
         if p.loss_reduction == "sum":  # eq. 1: L and its gradient are sums over the batch
             b = torch.as_tensor(np.minimum(ctx.train_sizes[selected], ctx.train.batch_size))
             loss = loss * b.unsqueeze(1).to(loss.dtype)
@@ -117,7 +166,4 @@ class JGL(ClusterModelAlgorithm):
         choice = argmax_random_ties(scores, rng)
         if p.empty_cluster_fix:
             choice = fix_empty_clusters(choice, p.n_clusters, rng)
-        return choice
-
-    def broadcast_floats(self) -> int:
-        return 2 * self.params.n_clusters * self.ctx.dim  # K models and their last updates
+        return Choice(selected, choice)

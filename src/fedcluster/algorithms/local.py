@@ -7,10 +7,20 @@ distribution. Client i's model starts from the shared initial model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fedcluster.algorithms.base import Algorithm, State, register, weighted_loss
+from fedcluster.engine.client_computations import TRAIN
+from fedcluster.engine.computation import Request
+
+
+@dataclass
+class LocalState(State):
+    rows: torch.Tensor
+    """Every client's own model [n, d]."""
 
 
 @register
@@ -18,14 +28,20 @@ class LocalOnly(Algorithm):
     """Local training only (no communication)."""
 
     name = "local"
+    StateType = LocalState
 
-    def init_state(self) -> State:
-        return {"rows": self.ctx.init_row.unsqueeze(0).repeat(self.ctx.n_clients, 1)}
+    def init_state(self) -> LocalState:
+        return LocalState(self.ctx.init_row.unsqueeze(0).repeat(self.ctx.n_clients, 1))
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
-        result = self.ctx.sim.train(selected, state["rows"][selected], self.ctx.train, rnd)
-        state["rows"][selected] = result.rows
-        return weighted_loss(result.loss, self.ctx.train_sizes[selected])
+        request = Request(
+            own={"start": state.rows[selected]},
+            settings={"train": self.ctx.train, "round": rnd},
+        )
+        # the model never leaves the client: nothing is sent, released or rejected
+        trained = self.ctx.ask(TRAIN, selected, request, rnd, on_device=True)
+        state.rows[selected] = trained["row"]
+        return weighted_loss(trained["loss"], self.ctx.train_sizes[selected])
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
-        return state["rows"], np.arange(self.ctx.n_clients)
+        return state.rows, np.arange(self.ctx.n_clients)

@@ -26,18 +26,16 @@ run on a fresh copy of the federation gives the same data (resume).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
+from fedcluster.config import DriftKind
 from fedcluster.data.federation import Federation
 from fedcluster.data.partitions import Partition, _apportion, _dirichlet_per_client, _draw_by_counts
 from fedcluster.data.sources import Dataset
 from fedcluster.data.transforms import rotate_images
 from fedcluster.errors import ConfigError
-
-DriftKind = Literal["rotate", "swap_labels", "redistribute"]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""The client computations an algorithm may ask for, whatever runs them (DESIGN principle 1).
+"""What runs client computations, whatever they are (DESIGN principle 1).
 
-:class:`Backend` is what :class:`~fedcluster.algorithms.base.Context` holds:
-the batched :class:`~fedcluster.engine.simulator.Simulator` and the Flower
-backend (:class:`fedcluster.flower.backend.FlowerBackend`) both provide it.
+:class:`Backend` is what the channel (:class:`~fedcluster.algorithms.channel.Channel`)
+sends requests through: the batched :class:`~fedcluster.engine.simulator.Simulator`
+and the Flower backend (:class:`fedcluster.flower.backend.FlowerBackend`) both
+provide it. It names no computation: they are declared with their algorithms
+(:mod:`fedcluster.engine.computation`).
 The server side knows the federation through :class:`FederationView`: a full
 :class:`~fedcluster.data.federation.Federation` in simulation, what the nodes
 report on Flower.
@@ -10,19 +12,13 @@ report on Flower.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
-import torch
 from torch import nn
 
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.computation import ClientComputation, Request, Returned
 from fedcluster.engine.flat import ParamLayout
-from fedcluster.engine.results import EvalResult, TrainResult
-
-if TYPE_CHECKING:
-    from fedcluster.privacy import LocalDP
 
 
 class FederationView(Protocol):
@@ -45,54 +41,18 @@ class FederationView(Protocol):
 
 
 class Backend(Protocol):
-    """Client computations for many clients; ``seconds`` is the time spent in them."""
+    """Runs any registered client computation for many clients (DESIGN principle 1).
+
+    The simulator runs a computation's batched form over the packed
+    federation; the Flower backend sends one message per client to the node
+    that holds it. ``seconds`` is the time spent in client computations.
+    """
 
     federation: FederationView
     layout: ParamLayout
     model: nn.Module
     seconds: float
 
-    def timed(self) -> AbstractContextManager[None]: ...
-
-    def train(
-        self,
-        clients: np.ndarray,
-        start: torch.Tensor,
-        cfg: LocalTraining,
-        rnd: int,
-        purpose: str = "train",
-        classifier_only: bool = False,
-        privacy: LocalDP | None = None,
-    ) -> TrainResult: ...
-
-    def losses_and_grads(
-        self,
-        clients: np.ndarray,
-        models: torch.Tensor,
-        cfg: LocalTraining,
-        rnd: int,
-        purpose: str = "decide",
-        with_grads: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def losses_and_gradient_products(
-        self,
-        clients: np.ndarray,
-        models: torch.Tensor,
-        directions: torch.Tensor,
-        cfg: LocalTraining,
-        rnd: int,
-        purpose: str = "decide",
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def gradient_trajectories(
-        self, clients: np.ndarray, row: torch.Tensor, normalise: bool = True
-    ) -> torch.Tensor: ...
-
-    def evaluate(
-        self,
-        clients: np.ndarray,
-        rows: torch.Tensor,
-        model_of_client: np.ndarray,
-        split: str = "test",
-    ) -> EvalResult: ...
+    def run(
+        self, computation: ClientComputation, clients: np.ndarray, request: Request
+    ) -> Returned: ...

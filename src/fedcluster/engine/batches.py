@@ -26,7 +26,7 @@ import torch
 from fedcluster.rng import torch_rng
 
 if TYPE_CHECKING:
-    from fedcluster.privacy import RecordDP
+    from fedcluster.dp import RecordDP
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LocalTraining:
 
     ``mu`` > 0 adds FedProx's proximal term (mu/2)·||w − w_anchor||² (Li et al. 2020).
     ``dp`` switches on DP-SGD (record-level local differential privacy,
-    :class:`fedcluster.privacy.RecordDP`).
+    :class:`fedcluster.dp.RecordDP`).
     """
 
     lr: float = 0.05

@@ -8,14 +8,19 @@ from contextlib import contextmanager
 
 
 class ClientClock:
-    """Mixin for a backend: ``seconds`` accumulates the time spent inside :meth:`timed`."""
+    """Mixin for a backend: ``seconds`` accumulates the time spent inside :meth:`timed`
+    (nested blocks count once: only the outermost adds its time)."""
 
     seconds: float = 0.0
+    _timing_depth: int = 0
 
     @contextmanager
     def timed(self) -> Iterator[None]:
         start = time.perf_counter()
+        self._timing_depth += 1
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - start
+            self._timing_depth -= 1
+            if self._timing_depth == 0:
+                self.seconds += time.perf_counter() - start

@@ -12,13 +12,17 @@ the packed federation data:
   and its dot product with a direction per model (all JGL's eq. 3 needs);
 - ``evaluate``: test (or train) loss and accuracy of the model each client uses.
 
+These are the kernels behind the registered client computations
+(:mod:`fedcluster.engine.client_computations`); :meth:`Simulator.run` runs any
+registered computation (the Backend protocol).
+
 MLPs run through :class:`~fedcluster.engine.mlp_kernel.MLPKernel` on groups of
 clients; any other ``nn.Module`` runs client by client through
 ``torch.func.functional_call`` on a flat row with autograd. Both follow the
 same batch plan (:func:`~fedcluster.engine.batches.batch_plan`) and equal the
 plain PyTorch loop of :mod:`fedcluster.engine.reference` to float tolerance.
 With ``LocalTraining.dp`` set, ``train`` runs DP-SGD (record-level local
-differential privacy, :mod:`fedcluster.privacy`): for any model through
+differential privacy, :mod:`fedcluster.dp`): for any model through
 per-sample gradients on the autograd path, for MLPs (without momentum) on the
 kernel, which clips per-sample gradients without materialising them; both
 draw the same noise and agree to float tolerance.
@@ -30,7 +34,6 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,22 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcluster.data.federation import Federation
+from fedcluster.dp import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.clock import ClientClock
+from fedcluster.engine.computation import ClientComputation, ClientData, Request, Returned
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.results import EvalResult, TrainResult
-from fedcluster.engine.trajectory import gradient_trajectories
-from fedcluster.privacy import (
-    gaussian_noise,
-    noisy_clipped_sum,
-    per_sample_gradients,
-    release_uploads,
-)
-
-if TYPE_CHECKING:
-    from fedcluster.privacy import LocalDP
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
 """One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
@@ -138,6 +133,31 @@ class Simulator(ClientClock):
             for c in clients
         ]
 
+    # ------------------------------------------------- any client computation
+    def run(
+        self, computation: ClientComputation, clients: np.ndarray, request: Request
+    ) -> Returned:
+        """Run a registered client computation for ``clients`` (the Backend protocol):
+        its batched form if it has one, else client by client."""
+        clients = np.asarray(clients, dtype=np.int64)
+        with self.timed():
+            fields = computation.run(self, clients, request)
+        return Returned(fields, np.ones(len(clients), dtype=bool))
+
+    def client_data(self, i: int) -> ClientData:
+        """Client ``i``'s own data, for a computation run client by client."""
+        fed = self.federation
+        train, test = fed.client_slice(i, "train"), fed.client_slice(i, "test")
+        return ClientData(
+            client=int(self.client_ids[i]),
+            x_train=fed.x_train[train],
+            y_train=fed.y_train[train],
+            x_test=fed.x_test[test],
+            y_test=fed.y_test[test],
+            n_classes=fed.n_classes,
+            seed=self.seed,
+        )
+
     # ------------------------------------------------------------------ train
     def train(
         self,
@@ -147,14 +167,11 @@ class Simulator(ClientClock):
         rnd: int,
         purpose: str = "train",
         classifier_only: bool = False,
-        privacy: LocalDP | None = None,
     ) -> TrainResult:
         """Local SGD for each client from its start row (FedAvg's ClientUpdate).
 
         ``start`` is [n, d] (or [d], broadcast). FedProx's anchor is the start row.
-        With ``privacy`` the rows are what the clients upload under local DP
-        (:func:`~fedcluster.privacy.release_uploads`: privatised, or NaN where
-        withheld); the caller records the releases in its ledger.
+        Local DP of the upload is the computation's release (:mod:`fedcluster.dp`).
         """
         clients = np.asarray(clients, dtype=np.int64)
         start = broadcast_rows(start, len(clients), self.layout.dim)
@@ -162,24 +179,10 @@ class Simulator(ClientClock):
             self._follow_data_changes()
             plans = self.plans(clients, cfg, rnd, purpose)
             if cfg.dp is not None:
-                result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
-            elif self.kernel is not None:
-                result = self._train_kernel(plans, clients, start, cfg, classifier_only)
-            else:
-                result = self._train_autograd(plans, start, cfg, classifier_only)
-            if privacy is None:
-                return result
-            ids = self.client_ids[clients]
-            rows = release_uploads(
-                [privacy.ticket(int(c)) for c in ids],
-                ids,
-                start,
-                result.rows,
-                result.steps,
-                self.seed,
-                rnd,
-            )
-            return TrainResult(rows, result.loss, result.steps)
+                return self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
+            if self.kernel is not None:
+                return self._train_kernel(plans, clients, start, cfg, classifier_only)
+            return self._train_autograd(plans, start, cfg, classifier_only)
 
     def _train_autograd(
         self,
@@ -243,7 +246,7 @@ class Simulator(ClientClock):
         """DP-SGD (Abadi et al. 2016, Alg. 1) for any model, client by client.
 
         Per-sample gradients by ``vmap(grad(...))``
-        (:func:`~fedcluster.privacy.per_sample_gradients`), each clipped to
+        (:func:`~fedcluster.dp.per_sample_gradients`), each clipped to
         ``dp.clip``, summed, plus N(0, σ²C²) noise, divided by the expected batch
         size q·n (Poisson plan) or by the batch's size (shuffled plan, where it
         is fixed: with σ = 0 and a large clip this is plain SGD).
@@ -536,13 +539,6 @@ class Simulator(ClientClock):
         loss = F.cross_entropy(self.layout.forward(w, x), y)
         grad = torch.autograd.grad(loss, w)[0] if with_grad else None
         return loss.detach(), grad
-
-    def gradient_trajectories(
-        self, clients: np.ndarray, row: torch.Tensor, normalise: bool = True
-    ) -> torch.Tensor:
-        """CFLGT's gradient trajectories [n, C, 2] under the model ``row``
-        (:func:`fedcluster.engine.trajectory.gradient_trajectories`)."""
-        return gradient_trajectories(self, clients, row, normalise)
 
     # --------------------------------------------------------------- evaluate
     @torch.no_grad()

@@ -4,11 +4,13 @@ A node holds one client of the experiment's federation, named by its node
 config's ``partition-id`` (what Flower's simulation engine and ``flwr run``
 deployments set). From the experiment config carried in each message it
 builds that client's data (the config's dataset and partition, as the
-simulator does) and model once per process, and answers each request with
-the same :class:`~fedcluster.engine.simulator.Simulator` computation the
-simulator runs for that client -- with the client's global id seeding its
-batches, so both backends compute the same numbers (to float rounding:
-the node's products have other shapes than the simulator's batched ones).
+simulator does) and model once per process. Every request names a
+registered client computation (:mod:`fedcluster.engine.computation`) and the
+module that defines it; one generic handler runs it on a one-client
+:class:`~fedcluster.engine.simulator.Simulator` -- with the client's global
+id seeding its batches, so both backends compute the same numbers (to float
+rounding: the node's products have other shapes than the simulator's
+batched ones). A new computation needs no edit here.
 
 Deploy with ``flwr run`` by naming ``fedcluster.flower.client:client_app``
 as the ClientApp (docs/flower.md).
@@ -19,17 +21,16 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-import torch
 import yaml
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
 from fedcluster.config import validate_config
+from fedcluster.engine.computation import lookup_computation
 from fedcluster.engine.simulator import Simulator
-from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.flower import protocol
-from fedcluster.privacy import release_uploads
-from fedcluster.runner import Experiment
+from fedcluster.runner import build_federation_for, model_for
 
 client_app = ClientApp()
 
@@ -38,15 +39,15 @@ client_app = ClientApp()
 def _client(experiment: str, seed: int, client: int) -> Simulator:
     """The simulator of one client's own data (cached per process)."""
     config = validate_config(yaml.safe_load(experiment))
-    exp = Experiment(config)
-    federation = exp.federation(seed)
+    federation = build_federation_for(config, seed)
     if not 0 <= client < federation.n_clients:
         raise ValueError(
             f"node partition-id {client}: the experiment has {federation.n_clients} clients"
         )
     own = federation.subset([client])
     # one thread per node: the nodes of a simulation share the machine
-    return Simulator(exp.model(own), own, seed=seed, threads=1, client_ids=np.array([client]))
+    model = model_for(config, own)
+    return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
 
 
 def _node(msg: Message, context: Context) -> tuple[Simulator, ConfigRecord]:
@@ -75,76 +76,35 @@ def setup(msg: Message, context: Context) -> Message:
     return _answer(msg, protocol.reply({}, info))
 
 
+def _compute(msg: Message, context: Context) -> Message:
+    """Run the registered computation the message names on this node's client.
+
+    The node runs exactly the function the simulator runs (its batched form
+    on a one-client federation), so both compute the same numbers; under
+    local DP the upload is released here, before it leaves the node.
+    """
+    sim, config = _node(msg, context)
+    computation = lookup_computation(
+        str(config["computation"]), str(config.get("computation_module", "")) or None
+    )
+    request = protocol.decode_request(protocol.tensors(msg.content), dict(config.items()))
+    reply = computation.run(sim, np.array([0]), request)
+    return _answer(msg, protocol.reply({k: v[0] for k, v in reply.items()}))
+
+
 @client_app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Local training from the received model (:meth:`Simulator.train`)."""
-    sim, config = _node(msg, context)
-    start = protocol.tensors(msg.content)["start"].unsqueeze(0)
-    cfg, rnd, purpose = protocol.training_from(config)
-    result = sim.train(
-        np.array([0]), start, cfg, rnd, purpose, classifier_only=bool(config["classifier_only"])
-    )
-    row = result.rows
-    ticket = protocol.ticket_from(config)
-    if ticket is not None:  # local DP: privatise (or withhold) before anything leaves the node
-        row = release_uploads([ticket], sim.client_ids, start, row, result.steps, sim.seed, rnd)
-    return _answer(msg, protocol.reply({"row": row[0], "loss": result.loss, "steps": result.steps}))
-
-
-@client_app.query("losses")
-def losses(msg: Message, context: Context) -> Message:
-    """Losses (and gradients) of K models on one mini-batch (:meth:`Simulator.losses_and_grads`)."""
-    sim, config = _node(msg, context)
-    models = protocol.tensors(msg.content)["models"]
-    with_grads = bool(config["with_grads"])
-    loss, grads = sim.losses_and_grads(
-        np.array([0]),
-        models,
-        *protocol.training_from(config),
-        with_grads=with_grads,
-    )
-    out = {"losses": loss[0]}
-    if grads is not None:
-        out["grads"] = grads[0]
-    return _answer(msg, protocol.reply(out))
-
-
-@client_app.query("products")
-def products(msg: Message, context: Context) -> Message:
-    """Loss, ‖∇L‖² and ⟨∇L, D⟩ of K models (:meth:`Simulator.losses_and_gradient_products`)."""
-    sim, config = _node(msg, context)
-    arrays = protocol.tensors(msg.content)
-    loss, sq, dot = sim.losses_and_gradient_products(
-        np.array([0]),
-        arrays["models"],
-        arrays["directions"],
-        *protocol.training_from(config),
-    )
-    return _answer(msg, protocol.reply({"losses": loss[0], "sq": sq[0], "dot": dot[0]}))
-
-
-@client_app.query("trajectory")
-def trajectory(msg: Message, context: Context) -> Message:
-    """CFLGT's gradient trajectory under the received model (eqs. 6-8)."""
-    sim, config = _node(msg, context)
-    start = protocol.tensors(msg.content)["start"]
-    traj = gradient_trajectories(sim, np.array([0]), start, bool(config["normalise"]))
-    return _answer(msg, protocol.reply({"trajectory": traj[0]}))
+    """Local training (the ``train`` computation)."""
+    return _compute(msg, context)
 
 
 @client_app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Correct predictions, sample count and summed loss of the received model."""
-    sim, config = _node(msg, context)
-    model = protocol.tensors(msg.content)["model"]
-    result = sim.evaluate(np.array([0]), model.unsqueeze(0), np.array([0]), str(config["split"]))
-    return _answer(
-        msg,
-        protocol.reply(
-            {
-                "correct": torch.as_tensor(result.correct),
-                "count": torch.as_tensor(result.count),
-                "loss_sum": torch.as_tensor(result.loss_sum),
-            }
-        ),
-    )
+    """Evaluation (the ``evaluate`` computation)."""
+    return _compute(msg, context)
+
+
+@client_app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Any other registered client computation, by the name in its settings."""
+    return _compute(msg, context)

@@ -27,45 +27,47 @@ not allow). The server keeps the ledger.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
+from fedcluster.dp import RecordDP, UploadTicket
 from fedcluster.engine.batches import LocalTraining
-from fedcluster.privacy import RecordDP, UploadTicket
+from fedcluster.engine.computation import Request, Settings
 
 SETUP = "query.setup"
-TRAIN = "train"
-LOSSES = "query.losses"
-PRODUCTS = "query.products"
-TRAJECTORY = "query.trajectory"
-EVALUATE = "evaluate"
 
 _TRAINING_FIELDS = ("lr", "batch_size", "epochs", "momentum", "mu")
+SHARED, OWN = "shared/", "own/"
 
 
-def training_config(cfg: LocalTraining, rnd: int, purpose: str) -> dict[str, Any]:
-    """How to train (``cfg``, ``steps`` absent when unset; DP-SGD's clip and batch
-    sampling when on) and which random stream to draw batches from (round,
-    purpose), as ConfigRecord values."""
+def message_type(computation: str) -> str:
+    """Flower's message type of a computation: ``train`` and ``evaluate`` by their
+    own names, every other one a ``query`` (the name travels in the settings)."""
+    return computation if computation in ("train", "evaluate") else "query"
+
+
+def training_config(cfg: LocalTraining, client: int) -> dict[str, Any]:
+    """How to train (``cfg``, ``steps`` absent when unset; DP-SGD's clip, batch
+    sampling and this client's σ and release counter when on) as ConfigRecord values."""
     values = {k: v for k, v in asdict(cfg).items() if k in _TRAINING_FIELDS}
     if cfg.steps is not None:
         values["steps"] = int(cfg.steps)
     if cfg.dp is not None:
-        values.update(dp_clip=float(cfg.dp.clip), dp_poisson=bool(cfg.dp.poisson))
-    return {**values, "round": rnd, "purpose": purpose}
+        values.update(
+            dp_clip=float(cfg.dp.clip),
+            dp_poisson=bool(cfg.dp.poisson),
+            dp_sigma=cfg.dp.sigma(client),
+            dp_release=cfg.dp.releases(client),
+        )
+    return values
 
 
-def client_dp_config(dp: RecordDP, client: int) -> dict[str, Any]:
-    """One client's DP-SGD noise: its σ and release counter (a ``train`` request)."""
-    return {"dp_sigma": dp.sigma(client), "dp_release": dp.releases(client)}
-
-
-def training_from(config: ConfigRecord) -> tuple[LocalTraining, int, str]:
-    """The ``(cfg, round, purpose)`` that :func:`training_config` and
-    :func:`client_dp_config` encoded."""
+def training_from(config: Mapping[str, Any]) -> LocalTraining:
+    """The :class:`LocalTraining` that :func:`training_config` encoded."""
     steps = config.get("steps")
     dp = None
     if "dp_clip" in config:
@@ -75,7 +77,7 @@ def training_from(config: ConfigRecord) -> tuple[LocalTraining, int, str]:
             poisson=bool(config["dp_poisson"]),
             release=int(config.get("dp_release", 0)),
         )
-    cfg = LocalTraining(
+    return LocalTraining(
         lr=float(config["lr"]),
         batch_size=int(config["batch_size"]),
         epochs=int(config["epochs"]),
@@ -84,24 +86,64 @@ def training_from(config: ConfigRecord) -> tuple[LocalTraining, int, str]:
         mu=float(config["mu"]),
         dp=dp,
     )
-    return cfg, int(config["round"]), str(config["purpose"])
 
 
-def ticket_config(ticket: UploadTicket) -> dict[str, Any]:
-    """An upload's release rule as ConfigRecord values."""
-    return {f"upload_{k}": v for k, v in asdict(ticket).items()}
+def encode_settings(settings: Settings, client: int) -> dict[str, Any]:
+    """A computation's settings as ConfigRecord values for client ``client`` (global id):
+    a :class:`LocalTraining` and an :class:`UploadTicket` are flattened under their key."""
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, LocalTraining):
+            out.update({f"{key}.{k}": v for k, v in training_config(value, client).items()})
+        elif isinstance(value, UploadTicket):
+            out.update({f"{key}:{k}": v for k, v in asdict(value).items()})
+        else:
+            out[key] = value
+    return out
 
 
-def ticket_from(config: ConfigRecord) -> UploadTicket | None:
-    """The release rule :func:`ticket_config` encoded (None: no local DP)."""
-    if "upload_mode" not in config:
-        return None
-    return UploadTicket(
-        mode="record" if config["upload_mode"] == "record" else "client",
-        clip=float(config["upload_clip"]),
-        noise_multiplier=float(config["upload_noise_multiplier"]),
-        release=int(config["upload_release"]),
-        remaining=int(config["upload_remaining"]),
+def decode_settings(config: Mapping[str, Any]) -> Settings:
+    """The settings :func:`encode_settings` flattened."""
+    out: Settings = {}
+    nested: dict[str, dict[str, Any]] = {}
+    tickets: dict[str, dict[str, Any]] = {}
+    for key, value in config.items():
+        if "." in key:
+            head, _, field = key.partition(".")
+            nested.setdefault(head, {})[field] = value
+        elif ":" in key:
+            head, _, field = key.partition(":")
+            tickets.setdefault(head, {})[field] = value
+        else:
+            out[key] = value
+    out.update({k: training_from(v) for k, v in nested.items()})
+    for key, v in tickets.items():
+        out[key] = UploadTicket(
+            mode="record" if v["mode"] == "record" else "client",
+            clip=float(v["clip"]),
+            noise_multiplier=float(v["noise_multiplier"]),
+            release=int(v["release"]),
+            remaining=int(v["remaining"]),
+        )
+    return out
+
+
+def encode_request(request: Request) -> dict[str, torch.Tensor]:
+    """One client's tensors (``request.client(i)``): shared ones and its own rows."""
+    arrays = {SHARED + k: v for k, v in request.shared.items()}
+    arrays.update({OWN + k: v[0] for k, v in request.own.items()})
+    return arrays
+
+
+def decode_request(arrays: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Request:
+    """A one-client request from a message's tensors and settings."""
+    own_config = {k[len(OWN) :]: v for k, v in config.items() if k.startswith(OWN)}
+    shared_config = {k: v for k, v in config.items() if not k.startswith(OWN)}
+    return Request(
+        shared={k[len(SHARED) :]: v for k, v in arrays.items() if k.startswith(SHARED)},
+        own={k[len(OWN) :]: v.unsqueeze(0) for k, v in arrays.items() if k.startswith(OWN)},
+        settings=decode_settings(shared_config),
+        own_settings=(decode_settings(own_config),) if own_config else None,
     )
 
 

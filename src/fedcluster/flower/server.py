@@ -1,8 +1,9 @@
 """The ServerApp: fedcluster's runner driving Flower nodes (DESIGN principle 1).
 
-:class:`FlowerExperiment` is the runner's :class:`~fedcluster.runner.Experiment`
-with one change: its backend is a :class:`~fedcluster.flower.backend.FlowerBackend`
-on the ServerApp's grid, and it learns each seed's federation from the nodes
+:func:`flower_experiment` is the runner's :class:`~fedcluster.runner.Experiment`
+with one change, given as its backend factory (:class:`FlowerBackends`): its
+backend is a :class:`~fedcluster.flower.backend.FlowerBackend` on the
+ServerApp's grid, and it learns each seed's federation from the nodes
 (``query.setup``). Everything else -- the algorithms, metrics, run directory,
 checkpoints -- is the simulator's, so a run through Flower writes the same
 ``metrics.csv`` as the simulator (timing columns aside; tested).
@@ -13,8 +14,7 @@ checkpoints -- is the simulator's, so a run through Flower writes the same
   the run config keys ``config`` (a YAML path), ``preset`` and ``out``.
 
 Not supported on this backend yet (a clear error, before any message is
-sent): local differential privacy, whose noise must then be drawn on the
-node, and data drift, which the simulator applies to data the server holds.
+sent): data drift, which the simulator applies to data the server holds.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from fedcluster.config import ExperimentConfig, dump_config, resolve_config
+from fedcluster.engine.backend import FederationView
 from fedcluster.errors import ConfigError
 from fedcluster.flower.backend import FederationInfo, FlowerBackend, discover
 from fedcluster.flower.client import client_app
@@ -41,29 +42,34 @@ def check_supported(config: ExperimentConfig) -> None:
         )
 
 
-class FlowerExperiment(Experiment):
-    """The runner's experiment with its client computations on Flower nodes."""
+class FlowerBackends:
+    """The Flower backend factory of :class:`~fedcluster.runner.Experiment`: each seed's
+    federation as the nodes report it (``query.setup``), and a backend sending the
+    client computations to those nodes."""
 
     def __init__(self, config: ExperimentConfig, grid: Grid, timeout: float | None = None):
         check_supported(config)
-        super().__init__(config)
         self.grid = grid
         self.timeout = timeout
         self._text = dump_config(config)
         self._nodes: dict[int, dict[int, int]] = {}
 
-    def federation(self, seed: int) -> FederationInfo:  # type: ignore[override]
-        """The seed's federation as the nodes report it (they hold the data)."""
+    def federation(self, seed: int) -> FederationInfo:
         info, self._nodes[seed] = discover(self.grid, self._text, seed, self.timeout)
         return info
 
-    def backend(  # type: ignore[override]
-        self, model: nn.Module, federation: FederationInfo, seed: int
-    ) -> FlowerBackend:
-        """Client computations sent to the nodes found by :meth:`federation`."""
+    def backend(self, model: nn.Module, federation: FederationView, seed: int) -> FlowerBackend:
+        assert isinstance(federation, FederationInfo)
         return FlowerBackend(
             self.grid, model, federation, self._nodes[seed], self._text, seed, self.timeout
         )
+
+
+def flower_experiment(
+    config: ExperimentConfig, grid: Grid, timeout: float | None = None
+) -> Experiment:
+    """The runner's experiment with its client computations on Flower nodes."""
+    return Experiment(config, backend_factory=FlowerBackends(config, grid, timeout))
 
 
 def make_server_app(
@@ -78,7 +84,7 @@ def make_server_app(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        done = FlowerExperiment(config, grid).run(out, progress=progress)
+        done = flower_experiment(config, grid).run(out, progress=progress)
         if results is not None:
             results.extend(done)
 
@@ -120,4 +126,4 @@ def _deployed(grid: Grid, context: Context) -> None:
     """``flwr run`` entry point: the run config names the experiment and the output."""
     run = context.run_config
     config = resolve_config(config_path=run.get("config") or None, preset=run.get("preset") or None)
-    FlowerExperiment(config, grid).run(str(run.get("out", "runs/flower")), progress=False)
+    flower_experiment(config, grid).run(str(run.get("out", "runs/flower")), progress=False)

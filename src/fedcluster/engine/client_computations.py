@@ -1,0 +1,172 @@
+"""The client computations several algorithms share: train, the K-model losses, evaluate.
+
+Each is a :class:`~fedcluster.engine.computation.ClientComputation` whose
+batched form runs the simulator's kernels
+(:class:`~fedcluster.engine.simulator.Simulator`); a Flower node runs the
+same function on its one client. Algorithm-specific computations live with
+their algorithm (JGL's gradient products in :mod:`fedcluster.algorithms.jgl`,
+CFLGT's trajectory in :mod:`fedcluster.algorithms.cflgt`).
+
+Settings (``Request.settings``): ``train`` (a
+:class:`~fedcluster.engine.batches.LocalTraining`), ``round`` and
+``purpose`` (they seed the client's random streams, DESIGN principle 4).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from fedcluster.dp import release_uploads
+from fedcluster.engine.computation import (
+    ClientComputation,
+    Payload,
+    ReplyField,
+    Request,
+    register_computation,
+)
+
+if TYPE_CHECKING:
+    from fedcluster.engine.simulator import Simulator
+
+
+def _model_dim(request: Request) -> tuple[int, ...]:
+    start = request.own.get("start", request.shared.get("start"))
+    assert start is not None
+    return (start.shape[-1],)
+
+
+def start_rows(request: Request, n: int) -> torch.Tensor:
+    """The training start rows [n, d]: each client's own, or the shared one broadcast."""
+    if "start" in request.own:
+        return request.own["start"]
+    return request.shared["start"].expand(n, -1)
+
+
+def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    s = request.settings
+    start = request.own["start"] if "start" in request.own else request.shared["start"]
+    result = sim.train(
+        clients,
+        start,
+        s["train"],
+        s["round"],
+        s.get("purpose", "train"),
+        classifier_only=bool(s.get("classifier_only", False)),
+    )
+    return {"row": result.rows, "loss": result.loss, "steps": result.steps}
+
+
+def _release_training(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
+    """Local DP of a trained model (:func:`fedcluster.dp.release_uploads`), where the client is."""
+    assert request.own_settings is not None
+    tickets = [s["ticket"] for s in request.own_settings]
+    start = start_rows(request, len(clients))
+    rows = release_uploads(
+        tickets, clients, start, reply["row"], reply["steps"], seed, request.settings["round"]
+    )
+    return {**reply, "row": rows}
+
+
+TRAIN = register_computation(
+    ClientComputation(
+        name="train",
+        reply={
+            "row": ReplyField(_model_dim),
+            "loss": ReplyField((), counted=False, finite=False),
+            "steps": ReplyField((), counted=False, dtype=torch.int64),
+        },
+        batched_run=_train,
+        privacy="release",
+        release=_release_training,
+        update=("row", "start"),
+        release_cost="steps",
+    )
+)
+"""Local SGD from the received start row (FedAvg's ClientUpdate; FedProx's proximal
+term, momentum, DP-SGD or classifier-only fine-tuning from the settings). Uploads
+the trained model; the loss and step count are instrumentation."""
+
+
+def _n_models(request: Request) -> tuple[int, ...]:
+    return (request.shared["models"].shape[0],)
+
+
+def _losses(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    s = request.settings
+    models = request.shared["models"]
+    if s.get("batches", "one") == "all":  # IFCA's full-data choice
+        out = torch.empty(len(clients), models.shape[0])
+        for j in range(models.shape[0]):
+            res = sim.evaluate(clients, models, np.full(len(clients), j), split="train")
+            out[:, j] = torch.as_tensor(res.loss_sum / np.maximum(res.count, 1))
+        return {"losses": out}
+    losses, _ = sim.losses_and_grads(
+        clients, models, s["train"], s["round"], s.get("purpose", "decide"), with_grads=False
+    )
+    return {"losses": losses}
+
+
+DECISION_EXEMPTION = (
+    "a decision query: in the papers' protocols the device compares the K models "
+    "itself and uploads only its choice, counted with its model (IFCA Alg. 1, JGL Alg. 1); "
+    "the simulator makes the choice beside the server to batch it, so the reply is "
+    "neither privatised nor counted in bytes_up"
+)
+
+LOSSES = register_computation(
+    ClientComputation(
+        name="losses",
+        reply={"losses": ReplyField(_n_models, counted=False)},
+        batched_run=_losses,
+        exempt_because=DECISION_EXEMPTION,
+    )
+)
+"""The loss of each of K received models on one mini-batch of the client's training
+data (``batches: all``: on all of it): IFCA's cluster identity estimate."""
+
+
+def _evaluate(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    models = request.shared["models"] if "models" in request.shared else request.own["model"]
+    index = request.own["model_index"] if "models" in request.shared else torch.arange(len(models))
+    result = sim.evaluate(clients, models, index.numpy(), request.settings.get("split", "test"))
+    return {
+        "correct": torch.as_tensor(result.correct),
+        "count": torch.as_tensor(result.count),
+        "loss_sum": torch.as_tensor(result.loss_sum),
+    }
+
+
+def _evaluation_bounds(request: Request, reply: Payload) -> list[str | None]:
+    """Correct predictions and the loss cannot exceed what the sample count allows."""
+    out: list[str | None] = []
+    for correct, count, loss in zip(
+        reply["correct"].tolist(), reply["count"].tolist(), reply["loss_sum"].tolist(), strict=True
+    ):
+        if not 0 <= correct <= count or count < 0 or loss < 0:
+            out.append(f"evaluation out of bounds (correct {correct}, count {count}, loss {loss})")
+        else:
+            out.append(None)
+    return out
+
+
+EVALUATE = register_computation(
+    ClientComputation(
+        name="evaluate",
+        reply={
+            "correct": ReplyField((), dtype=torch.int64),
+            "count": ReplyField((), dtype=torch.int64),
+            "loss_sum": ReplyField((), dtype=torch.float64),
+        },
+        batched_run=_evaluate,
+        exempt_because=(
+            "measurement: the experimenter's test of the model a client would use, "
+            "not part of any algorithm's protocol (its traffic is counted apart)"
+        ),
+        check=_evaluation_bounds,
+    )
+)
+"""Correct predictions, sample count and summed loss of the model each client uses
+(``models`` shared with one index per client: a client receives only its model)."""

@@ -1,0 +1,546 @@
+"""The run directory and the round loop's built-in callbacks that write it.
+
+Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
+``metrics.csv`` (one row per round x algorithm x seed), ``clusters.csv``
+(client -> cluster per round, with the true group; −1 for a client not
+present), ``events.csv`` (per job and round: faulty clients, joins,
+departures, drift, failures and rejections, each with client and detail),
+``diagnostics.csv`` (an algorithm's per-round scalars), ``summary.json`` /
+``summary.md`` and ``checkpoints/``. Each file is written by one callback
+(:mod:`fedcluster.callbacks`), so the runner's loop does none of it.
+Checkpoints are written atomically every ``checkpoint_every`` rounds.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fedcluster.callbacks import Callback, JobInfo, RunInfo
+from fedcluster.config import ExperimentConfig, dump_config
+from fedcluster.errors import FedclusterError
+from fedcluster.metrics import COLUMNS, format_row
+from fedcluster.report import format_table, summary_rows
+
+CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
+EVENT_COLUMNS = ["algorithm", "seed", "round", "client", "kind", "detail"]
+DIAGNOSTIC_COLUMNS = ["algorithm", "seed", "round", "name", "value"]
+
+
+@dataclass
+class JobResult:
+    """The per-round metric rows of one (algorithm, seed) job."""
+
+    algorithm: str
+    seed: int
+    rows: list[dict[str, object]]
+    wall_seconds: float
+
+
+class RunDirectory:
+    """Reads and writes the files of a run directory, atomically where it matters."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.metrics = self.path / "metrics.csv"
+        self.clusters = self.path / "clusters.csv"
+        self.diagnostics = self.path / "diagnostics.csv"
+        self.events = self.path / "events.csv"
+        self.checkpoints = self.path / "checkpoints"
+        self.artifacts = self.path / "artifacts"
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run directory for one writer (``.lock``, an advisory ``flock``).
+
+        A second run or resume of the same directory gets a one-line error
+        naming the holder's pid. The lock dies with its process, so the lock
+        file a killed run leaves behind is simply taken over.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.path / ".lock"
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise FedclusterError(
+                    f"run directory {self.path} is in use by process {holder} "
+                    "(a run or resume of it); wait for it to end or choose another --out"
+                ) from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def create(self, config: ExperimentConfig) -> None:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(self.path / "config.yaml", dump_config(config))
+        tables = (
+            (self.metrics, COLUMNS),
+            (self.clusters, CLUSTER_COLUMNS),
+            (self.diagnostics, DIAGNOSTIC_COLUMNS),
+            (self.events, EVENT_COLUMNS),
+        )
+        for path, header in tables:
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(header)
+
+    def checkpoint_path(self, label: str, seed: int) -> Path:
+        safe = "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)
+        return self.checkpoints / f"{safe}-seed{seed}.pt"
+
+    def append(self, path: Path, rows: list[list[str]]) -> None:
+        with open(path, "a", newline="") as f:
+            csv.writer(f).writerows(rows)
+
+    def _rewrite(
+        self,
+        path: Path,
+        keep: Callable[[dict[str, str]], bool],
+        order: Callable[[dict[str, str]], tuple] | None = None,
+    ) -> None:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            rows = [r for r in reader if keep(r)]
+        if order is not None:
+            rows.sort(key=order)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+
+    def tables(self) -> list[tuple[Path, list[str]]]:
+        return [
+            (self.metrics, COLUMNS),
+            (self.clusters, CLUSTER_COLUMNS),
+            (self.diagnostics, DIAGNOSTIC_COLUMNS),
+            (self.events, EVENT_COLUMNS),
+        ]
+
+    def rebuild_job(self, label: str, seed: int, lines: dict[Path, list[list[str]]]) -> list[str]:
+        """Replace one job's rows in every table by ``lines`` (what its checkpoint holds).
+
+        The checkpoint is the source of truth: rows of the job that were edited,
+        cut or deleted come back as they were written, rows beyond the checkpoint
+        go (the resumed job writes them again), and a deleted table is recreated.
+        Other jobs' rows are kept; rows that cannot be read are dropped. Returns
+        the names of the tables whose rows of this job (or unreadable rows) changed.
+        """
+        changed = []
+        for path, header in self.tables():
+            kept, mine, dropped = self._rows_apart(path, header, label, seed)
+            new = lines.get(path, [])
+            if mine != new or dropped or not path.exists():
+                changed.append(path.name)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(header)
+                writer.writerows(kept + new)
+            os.replace(tmp, path)
+        return changed
+
+    @staticmethod
+    def _rows_apart(
+        path: Path, header: list[str], label: str, seed: int
+    ) -> tuple[list[list[str]], list[list[str]], int]:
+        """Other jobs' rows, this job's rows, and the number of unreadable rows of a table."""
+        if not path.exists():
+            return [], [], 0
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        kept, mine, dropped = [], [], 0
+        a, s, r = header.index("algorithm"), header.index("seed"), header.index("round")
+        for row in rows[1:] if rows and rows[0] == header else rows:
+            if len(row) != len(header) or not (row[s].isdigit() and row[r].isdigit()):
+                dropped += 1
+            elif row[a] == label and int(row[s]) == seed:
+                mine.append(row)
+            else:
+                kept.append(row)
+        return kept, mine, dropped
+
+    def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
+        """Put rows in job order, then round (resumed jobs append after later jobs' rows)."""
+        rank = {(label, seed): i for i, (label, seed) in enumerate(jobs)}
+
+        def order(r: dict[str, str]) -> tuple:
+            return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
+
+        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
+            self._rewrite(path, lambda r: True, order)
+
+    def save_artifacts(self, label: str, seed: int, arrays: dict[str, np.ndarray]) -> None:
+        """Arrays an algorithm keeps at the end of a job, as ``artifacts/<label>-seed<s>.npz``."""
+        if not arrays:
+            return
+        self.artifacts.mkdir(exist_ok=True)
+        path = self.artifacts / self.checkpoint_path(label, seed).with_suffix(".npz").name
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint layout (1: pickled state, before it was made safe)."""
+
+
+@dataclass
+class Checkpoint:
+    """What a job's checkpoint holds: the round it ends, the server state's record
+    (:meth:`~fedcluster.algorithms.base.State.to_record`), the metrics rows so far,
+    the wall time and the local-DP ledger."""
+
+    round: int
+    state: dict[str, Any]
+    rows: list[dict[str, Any]]
+    wall_seconds: float
+    privacy: dict[str, Any] | None
+    events: list[list[Any]] = field(default_factory=list)
+    """``[round, client, kind, detail]`` of every round so far."""
+    diagnostics: list[list[Any]] = field(default_factory=list)
+    """``[round, name, value]`` of every round so far."""
+    cluster_rounds: list[int] = field(default_factory=list)
+    clusters: torch.Tensor | None = None
+    """Every client's cluster in each of ``cluster_rounds`` [R, n] (None: unclustered)."""
+
+    def lines(
+        self, rundir: RunDirectory, label: str, seed: int, groups: np.ndarray | None
+    ) -> dict[Path, list[list[str]]]:
+        """The job's rows of every table up to this checkpoint, as they were written."""
+        clusters: list[list[str]] = []
+        if self.clusters is not None:
+            for rnd, assign in zip(self.cluster_rounds, self.clusters.numpy(), strict=True):
+                clusters += cluster_lines(label, seed, rnd, assign, groups)
+        return {
+            rundir.metrics: [format_row(row) for row in self.rows],
+            rundir.clusters: clusters,
+            rundir.events: [
+                line
+                for rnd, c, kind, detail in self.events
+                for line in event_lines(label, seed, rnd, [(c, kind, detail)])
+            ],
+            rundir.diagnostics: [
+                line
+                for rnd, name, value in self.diagnostics
+                for line in diagnostic_lines(label, seed, rnd, {name: value})
+            ],
+        }
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    """Write atomically: tensors through torch's format, everything else as JSON text."""
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "round": checkpoint.round,
+        "rows": checkpoint.rows,
+        "wall_seconds": checkpoint.wall_seconds,
+        "privacy": checkpoint.privacy,
+        "events": checkpoint.events,
+        "diagnostics": checkpoint.diagnostics,
+        "cluster_rounds": checkpoint.cluster_rounds,
+    }
+    tensors = {"state": checkpoint.state, "clusters": checkpoint.clusters}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"meta": json.dumps(meta), **tensors}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint without running any code from it (``weights_only=True``);
+    a damaged, foreign or other-version file is a :class:`FedclusterError` naming it."""
+    try:
+        raw = torch.load(path, weights_only=True)
+        meta = json.loads(raw["meta"])
+    except Exception as exc:  # torch raises many kinds on a damaged or crafted file
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FedclusterError(
+            f"checkpoint {path} cannot be read safely ({reason[:200]}); "
+            "delete it to restart that job from round 1"
+        ) from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise FedclusterError(
+            f"checkpoint {path} has format {meta.get('format')}, this fedcluster reads "
+            f"format {CHECKPOINT_FORMAT}; rerun the job or use the fedcluster that wrote it"
+        )
+    return Checkpoint(
+        meta["round"],
+        raw["state"],
+        meta["rows"],
+        meta["wall_seconds"],
+        meta["privacy"],
+        meta["events"],
+        meta["diagnostics"],
+        meta["cluster_rounds"],
+        raw["clusters"],
+    )
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: object, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def cluster_lines(
+    label: str, seed: int, rnd: int, assign: np.ndarray, groups: np.ndarray | None
+) -> list[list[str]]:
+    """``clusters.csv`` rows of one round: every client's cluster and true group."""
+    return [
+        [
+            label,
+            str(seed),
+            str(rnd),
+            str(c),
+            str(int(assign[c])),
+            "" if groups is None else str(int(groups[c])),
+        ]
+        for c in range(len(assign))
+    ]
+
+
+def event_lines(
+    label: str, seed: int, rnd: int, events: list[tuple[int, str, str]]
+) -> list[list[str]]:
+    """``events.csv`` rows of one round."""
+    return [[label, str(seed), str(rnd), str(c), kind, detail] for c, kind, detail in events]
+
+
+def diagnostic_lines(label: str, seed: int, rnd: int, values: dict[str, float]) -> list[list[str]]:
+    """``diagnostics.csv`` rows of one round."""
+    return [[label, str(seed), str(rnd), k, repr(float(v))] for k, v in values.items()]
+
+
+class MetricsWriter(Callback):
+    """``metrics.csv``: the round's row."""
+
+    def __init__(self, rundir: RunDirectory) -> None:
+        self.rundir = rundir
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        self.rundir.append(self.rundir.metrics, [format_row(row)])
+
+
+class EventsWriter(Callback):
+    """``events.csv``: the round's joins, departures, drift, failures and rejections."""
+
+    def __init__(self, rundir: RunDirectory) -> None:
+        self.rundir = rundir
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        if job.events:
+            self.rundir.append(
+                self.rundir.events, event_lines(job.label, job.seed, rnd, job.events)
+            )
+
+
+class DiagnosticsWriter(Callback):
+    """``diagnostics.csv``: the algorithm's per-round scalars."""
+
+    def __init__(self, rundir: RunDirectory) -> None:
+        self.rundir = rundir
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        if job.diagnostics:
+            rows = diagnostic_lines(job.label, job.seed, rnd, job.diagnostics)
+            self.rundir.append(self.rundir.diagnostics, rows)
+
+
+class ClustersWriter(Callback):
+    """``clusters.csv``: every client's cluster and true group."""
+
+    def __init__(self, rundir: RunDirectory) -> None:
+        self.rundir = rundir
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        if job.clusters is not None:
+            rows = cluster_lines(job.label, job.seed, rnd, job.clusters, job.groups)
+            self.rundir.append(self.rundir.clusters, rows)
+
+
+class Checkpointer(Callback):
+    """``checkpoints/<label>-seed<s>.pt`` every ``every`` rounds and after the last,
+    written atomically: what :func:`fedcluster.runner.resume` continues from."""
+
+    def __init__(self, rundir: RunDirectory, every: int, last: int) -> None:
+        self.rundir = rundir
+        self.every = every
+        self.last = last
+        self._started: dict[tuple[str, int], float] = {}
+        self._history: dict[tuple[str, int], Checkpoint] = {}
+
+    def on_job_start(self, job: JobInfo) -> None:
+        key = (job.label, job.seed)
+        self._started[key] = time.perf_counter() - job.wall_offset
+        restored = job.restored
+        self._history[key] = (
+            Checkpoint(0, {}, [], 0.0, None)
+            if restored is None
+            else Checkpoint(
+                0,
+                {},
+                [],
+                0.0,
+                None,
+                list(restored.events),
+                list(restored.diagnostics),
+                list(restored.cluster_rounds),
+                restored.clusters,
+            )
+        )
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        key = (job.label, job.seed)
+        history = self._history[key]
+        history.events += [[rnd, int(c), kind, detail] for c, kind, detail in job.events]
+        history.diagnostics += [[rnd, k, float(v)] for k, v in job.diagnostics.items()]
+        if job.clusters is not None:
+            assign = torch.as_tensor(np.asarray(job.clusters, dtype=np.int64)).unsqueeze(0)
+            history.cluster_rounds.append(rnd)
+            history.clusters = (
+                assign if history.clusters is None else torch.cat([history.clusters, assign])
+            )
+        if rnd % self.every and rnd != self.last:
+            return
+        checkpoint = replace(
+            history,
+            round=rnd,
+            state=state.to_record(),
+            rows=[_plain(row) for row in job.rows],
+            wall_seconds=time.perf_counter() - self._started[key],
+            privacy=None if job.privacy is None else job.privacy.state_dict(),
+        )
+        save_checkpoint(self.rundir.checkpoint_path(job.label, job.seed), checkpoint)
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row with plain Python numbers (JSON)."""
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()}
+
+
+class ProgressBar(Callback):
+    """A tqdm bar per job, with the last accuracy."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+        self._bar: tqdm | None = None
+
+    def on_job_start(self, job: JobInfo) -> None:
+        self._bar = tqdm(
+            total=self.last - job.first_round + 1,
+            desc=f"{job.label} seed {job.seed}",
+            leave=True,
+            unit="round",
+            dynamic_ncols=True,
+        )
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        assert self._bar is not None
+        if not math.isnan(row["accuracy"]):
+            self._bar.set_postfix(acc=f"{row['accuracy']:.3f}", refresh=False)
+        self._bar.update(1)
+
+    def on_job_end(self, job: JobInfo, result: JobResult) -> None:
+        assert self._bar is not None
+        self._bar.close()
+
+
+class SummaryWriter(Callback):
+    """``summary.json`` and ``summary.md`` after the last job (rows in job order on resume)."""
+
+    def __init__(self, rundir: RunDirectory) -> None:
+        self.rundir = rundir
+
+    def on_run_end(self, run: RunInfo, results: list[JobResult]) -> None:
+        if run.resume:
+            self.rundir.sort_rows([(j.algorithm, j.seed) for j in results])
+        write_summary(run.path, run.config, results)
+
+
+def run_directory_callbacks(
+    rundir: RunDirectory, config: ExperimentConfig, last: int, progress: bool
+) -> list[Callback]:
+    """The callbacks that write a run directory (and show progress)."""
+    writers: list[Callback] = [
+        MetricsWriter(rundir),
+        EventsWriter(rundir),
+        DiagnosticsWriter(rundir),
+        ClustersWriter(rundir),
+        Checkpointer(rundir, config.checkpoint_every, config.rounds),
+        SummaryWriter(rundir),
+    ]
+    return [*writers, ProgressBar(last)] if progress else writers
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if isinstance(v, float) and not math.isnan(v)]
+
+
+def job_summary(job: JobResult) -> dict[str, object]:
+    """Final and best accuracy, final purity, rounds to 0.9 purity, bytes and time of a job."""
+    accs = _finite([r["accuracy"] for r in job.rows])
+    last = job.rows[-1] if job.rows else {}
+    purity_round = next(
+        (r["round"] for r in job.rows if isinstance(r.get("purity"), float) and r["purity"] >= 0.9),
+        None,
+    )
+    return {
+        "algorithm": job.algorithm,
+        "seed": job.seed,
+        "rounds": len(job.rows),
+        "final_accuracy": accs[-1] if accs else None,
+        "best_accuracy": max(accs) if accs else None,
+        "final_accuracy_mean": last.get("accuracy_mean"),
+        "final_accuracy_std": last.get("accuracy_std"),
+        "final_purity": None if _nan(last.get("purity")) else last.get("purity"),
+        "rounds_to_purity_0.9": purity_round,
+        "bytes_up": int(sum(r["bytes_up"] for r in job.rows)),
+        "bytes_down": int(sum(r["bytes_down"] for r in job.rows)),
+        "wall_seconds": job.wall_seconds,
+    }
+
+
+def _nan(v: object) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def write_summary(path: Path, config: ExperimentConfig, results: list[JobResult]) -> None:
+    """``summary.json`` (per-job summaries, NaN as null) and ``summary.md`` (the table)."""
+    jobs = [{k: None if _nan(v) else v for k, v in job_summary(j).items()} for j in results]
+    text = json.dumps({"name": config.name, "jobs": jobs}, indent=2, allow_nan=False)
+    _atomic_write_text(path / "summary.json", text)
+    _atomic_write_text(path / "summary.md", format_table(summary_rows(jobs)) + "\n")

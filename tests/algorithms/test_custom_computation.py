@@ -1,0 +1,161 @@
+"""A new algorithm with its own client computation, defined here only (nothing under src/).
+
+Each client returns the mean of its training labels (a computation written for
+one client, ``run_one_client``); the server splits the clients at the median of
+those means into two clusters and runs FedAvg in each. The same algorithm runs
+in the simulator and on Flower's simulation engine with equal metrics: the
+ClientApp finds the computation by its registered name and imports this module
+on the node.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import Field
+
+from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.config import validate_config
+from fedcluster.engine.computation import (
+    ClientComputation,
+    ClientData,
+    Payload,
+    ReplyField,
+    Request,
+    register_computation,
+)
+from fedcluster.engine.flat import weighted_average
+from fedcluster.runner import Experiment
+from tests.helpers import FLOAT_BYTES, INT_BYTES
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def label_mean(client: ClientData, request: Request) -> Payload:
+    """What one client computes from its own data: the mean of its training labels."""
+    return {"mean": client.y_train.double().mean().float()}
+
+
+LABEL_MEAN = register_computation(
+    ClientComputation(
+        name="test-label-mean",
+        reply={"mean": ReplyField(())},
+        run_one_client=label_mean,
+        exempt_because="a test statistic: no privacy is claimed for it",
+    )
+)
+
+
+@dataclass
+class LabelSplitState(State):
+    models: torch.Tensor
+    assign: np.ndarray
+
+
+class LabelSplitParams(AlgorithmParams):
+    rounds_between_splits: int = Field(100, ge=1)
+
+
+@register
+class LabelSplit(Algorithm):
+    """Two clusters split at the median label mean; FedAvg within each."""
+
+    name = "test-label-split"
+    Params = LabelSplitParams
+    StateType = LabelSplitState
+
+    def init_state(self) -> LabelSplitState:
+        return LabelSplitState(
+            models=self.ctx.init_row.unsqueeze(0).repeat(2, 1),
+            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
+        )
+
+    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        ctx = self.ctx
+        if (state.assign < 0).all():
+            replies = ctx.ask(LABEL_MEAN, ctx.available_clients(), Request(), rnd)
+            means = replies["mean"].numpy()
+            state.assign[replies.clients] = (means > np.median(means)).astype(np.int64)
+        losses, sizes = [], []
+        for c in range(2):
+            members = selected[state.assign[selected] == c]
+            if not len(members):
+                continue
+            ex = ctx.exchange(members, state.models[c], rnd, ints=1)
+            if len(ex.clients):
+                weights = torch.as_tensor(ctx.train_sizes[ex.clients])
+                state.models[c] = weighted_average(ex.rows, weights)
+                losses.append(ex.loss)
+                sizes.append(ctx.train_sizes[ex.clients])
+        if not losses:
+            return float("nan")
+        return weighted_loss(torch.cat(losses), np.concatenate(sizes))
+
+    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+        return state.models, np.maximum(state.assign, 0)
+
+    def clusters(self, state: State) -> np.ndarray:
+        return state.assign.copy()
+
+
+CONFIG = {
+    "name": "custom-computation",
+    "seeds": [0],
+    "rounds": 3,
+    "data": {
+        "dataset": "mnist5k",
+        "partition": {"name": "dirichlet", "n_clients": 6, "alpha": 0.3, "test_fraction": 0.2},
+    },
+    "model": {"name": "mlp", "options": {"hidden": [16]}},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "algorithms": [{"name": "test-label-split"}],
+}
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_new_computation_runs_in_the_simulator(tmp_path):
+    config = validate_config(CONFIG)
+    Experiment(config).run(tmp_path, progress=False)
+    rows = _rows(tmp_path / "metrics.csv")
+    assert [int(r["round"]) for r in rows] == [1, 2, 3]
+    assert float(rows[-1]["accuracy"]) > 0.2
+    clusters = _rows(tmp_path / "clusters.csv")
+    assert {r["cluster"] for r in clusters} == {"0", "1"}
+    # round 1: every client's label mean (one float up, nothing down), then a model
+    # each way and a sample count up per client
+    d = sum(p.numel() for p in torch.nn.Linear(784, 16).parameters()) + 16 * 10 + 10
+    assert int(rows[0]["bytes_down"]) == 6 * d * FLOAT_BYTES
+    assert int(rows[0]["bytes_up"]) == 6 * FLOAT_BYTES + 6 * (d * FLOAT_BYTES + INT_BYTES)
+
+
+def test_a_new_computation_runs_on_flower_with_the_simulators_numbers(tmp_path, monkeypatch):
+    pytest.importorskip(
+        "flwr", reason="the Flower backend needs `pip install 'fedcluster[flower]'`"
+    )
+    from fedcluster.flower.server import run_simulation
+
+    # Flower's ClientApp processes import this module to find the computation.
+    path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    config = validate_config(CONFIG)
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    run_simulation(config, tmp_path / "flower", progress=False)
+    sim, flower = _rows(tmp_path / "sim/metrics.csv"), _rows(tmp_path / "flower/metrics.csv")
+    assert len(sim) == len(flower) == 3
+    for a, b in zip(sim, flower, strict=True):
+        for column in a:
+            if not column.endswith("seconds"):
+                assert a[column] == b[column], (a["round"], column)
+    assert (tmp_path / "sim/clusters.csv").read_text() == (
+        tmp_path / "flower/clusters.csv"
+    ).read_text()
