@@ -160,9 +160,9 @@ def _cluster_colors(n: int) -> ListedColormap:
 def heatmaps(items: list[Entry]) -> Figure | None:
     """Cluster assignment per client (rows, sorted by true group) and round, first seed.
 
-    Colour = the chosen cluster (white: in no cluster: absent, or not yet clustered). Cluster ids are
-    renumbered by first appearance in the sorted table, so groups that share a
-    cluster share a colour. A bar on the left shows the true groups.
+    Colour = the chosen cluster (white: in no cluster, i.e. absent or not yet
+    clustered). Cluster ids are renumbered by first appearance in the sorted
+    table, so colours are stable; lines and tick labels mark the true groups.
     """
     jobs = []
     for e in items:
