@@ -94,4 +94,3 @@ def digits_config(name: str, rounds: int, algorithms: list[dict] | None = None) 
     if algorithms is not None:
         config["algorithms"] = algorithms
     return config
-
