@@ -157,7 +157,6 @@ def _run(args: argparse.Namespace) -> int:
         _run_flower(config, out, progress=not args.quiet)
     else:
         Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
-    _close(callbacks)
     _print_summary(out)
     _report(args, out)
     return 0
@@ -169,11 +168,6 @@ def _callbacks(args: argparse.Namespace) -> list:
     from fedcluster.loggers import TensorBoardLogger
 
     return [TensorBoardLogger(args.tensorboard)]
-
-
-def _close(callbacks: list) -> None:
-    for callback in callbacks:
-        callback.close()
 
 
 def _report(args: argparse.Namespace, out: Path) -> None:
@@ -203,7 +197,6 @@ def _resume(args: argparse.Namespace) -> int:
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
     callbacks = _callbacks(args)
     resume(args.dir, progress=not args.quiet, callbacks=callbacks)
-    _close(callbacks)
     _print_summary(Path(args.dir))
     _report(args, Path(args.dir))
     return 0
