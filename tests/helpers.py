@@ -88,3 +88,39 @@ def unequal_clients(ds, n_clients: int, low: int, high: int, test_n: int, seed: 
         train.append((ds.train.x[idx], ds.train.y[idx]))
         test.append((ds.test.x[idx[:test_n] % n_test], ds.test.y[idx[:test_n] % n_test]))
     return Federation.from_clients(train, test, 10)
+
+
+def rotation_config(name: str, hidden: int = 32) -> dict:
+    """A 3-round config on mnist5k: 6 clients in 2 rotation groups, one local epoch."""
+    return {
+        "name": name,
+        "seeds": [0],
+        "rounds": 3,
+        "data": {
+            "dataset": "mnist5k",
+            "partition": {
+                "name": "rotation",
+                "n_groups": 2,
+                "base": "iid",
+                "base_options": {"n_clients": 6, "test_fraction": 0.2},
+            },
+        },
+        "model": {"name": "mlp", "options": {"hidden": [hidden]}},
+        "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    }
+
+
+def digits_config(name: str, rounds: int, algorithms: list[dict] | None = None) -> dict:
+    """A tiny config on scikit-learn's digits: 4 IID clients, an MLP with 8 hidden units."""
+    config = {
+        "name": name,
+        "rounds": rounds,
+        "data": {
+            "dataset": "digits",
+            "partition": {"name": "iid", "n_clients": 4, "test_fraction": 0.2},
+        },
+        "model": {"name": "mlp", "options": {"hidden": [8]}},
+    }
+    if algorithms is not None:
+        config["algorithms"] = algorithms
+    return config

@@ -1,4 +1,4 @@
-"""Command-line interface: ``fedcluster run | compare | resume | list | flower``."""
+"""Command-line interface: ``fedcluster run | compare | resume | report | list | show | flower``."""
 
 from __future__ import annotations
 
@@ -25,12 +25,35 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. --set train.lr=0.1 (repeatable)",
+        help="override a config field, e.g. --set train.lr=0.1 or "
+        "--set algorithms.ifca.n_clusters=3 (repeatable)",
+    )
+    p.add_argument(
+        "--sweep",
+        dest="sweeps",
+        action="append",
+        default=[],
+        metavar="algorithms.ALG.PARAM=V1,V2,...",
+        help="run the algorithm once per value, each a labelled entry of the same run "
+        "(repeatable; several sweeps of one algorithm give every combination)",
     )
     p.add_argument("--rounds", type=int, help="communication rounds")
     p.add_argument("--data-dir", help="dataset root (default $FEDCLUSTER_DATA or the user cache)")
-    p.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    p.add_argument(
+        "--download", action="store_true", help="fetch a missing dataset (sets data.download)"
+    )
+    p.add_argument(
+        "--out", help="run directory (default runs/<name>[-<what --set changed>]-<timestamp>)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _report_flags(p)
+
+
+def _report_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
+    p.add_argument(
+        "--tensorboard", metavar="DIR", help="also log each round's metrics to TensorBoard in DIR"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,15 +79,35 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="run several algorithms on the same federation")
     _common(compare)
     compare.add_argument(
-        "--algorithms", required=True, help="comma-separated algorithm names, e.g. jgl,ifca,fedavg"
+        "--algorithms",
+        required=True,
+        help="comma-separated algorithm names or labels, e.g. jgl,ifca,fedavg (the preset's "
+        "entries keep their parameters)",
     )
     compare.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
 
     res = sub.add_parser("resume", help="continue a killed run from its checkpoints")
     res.add_argument("dir", help="run directory")
     res.add_argument("--quiet", action="store_true")
+    _report_flags(res)
 
-    sub.add_parser("list", help="show algorithms, datasets, partitions, models and presets")
+    rep = sub.add_parser("report", help="write report.html and report.md of one or more runs")
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    rep.add_argument(
+        "--out", help="report folder (default: the run directory; needed for several runs)"
+    )
+
+    lst = sub.add_parser("list", help="what each algorithm, dataset, partition, model, preset is")
+    lst.add_argument(
+        "section",
+        nargs="?",
+        choices=("algorithms", "datasets", "partitions", "models", "presets"),
+        help="only this section",
+    )
+
+    show = sub.add_parser("show", help="print a preset's resolved config (YAML)")
+    show.add_argument("preset", help="preset name (see `fedcluster list presets`)")
+    show.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     _flower_parsers(sub)
     return parser
 
@@ -107,26 +150,62 @@ def _overrides(args: argparse.Namespace) -> dict:
         over["seeds"] = [args.seed]
     if getattr(args, "seeds", None) is not None and args.command == "compare":
         over["seeds"] = list(range(args.seeds))
-    if getattr(args, "algorithms", None):
-        over["algorithms"] = [{"name": n.strip()} for n in args.algorithms.split(",") if n.strip()]
+    if args.download:
+        over.setdefault("data", {})["download"] = True
     return over
+
+
+def _algorithm_names(args: argparse.Namespace) -> list[str] | None:
+    text = getattr(args, "algorithms", None)
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
 def _run(args: argparse.Namespace) -> int:
     from fedcluster.config import resolve_config
+    from fedcluster.overrides import run_slug
     from fedcluster.runner import Experiment
 
-    config = resolve_config(args.config, args.preset, args.sets, _overrides(args))
-    out = Path(args.out or f"runs/{config.name}-{datetime.now():%Y%m%d-%H%M%S}")
+    config = resolve_config(
+        args.config,
+        args.preset,
+        args.sets,
+        _overrides(args),
+        algorithms=_algorithm_names(args),
+        sweeps=args.sweeps,
+    )
+    slug = run_slug(args.sets, getattr(args, "algorithms", None), args.sweeps)
+    name = f"{config.name}-{slug}" if slug else config.name
+    out = Path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
     if out.exists() and any(out.iterdir()):
         raise FedclusterError(f"run directory {out} is not empty; choose another --out")
     print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
+    callbacks = _callbacks(args)
     if getattr(args, "backend", "simulator") == "flower":
+        if callbacks:
+            raise FedclusterError("--tensorboard works with the simulator backend only")
         _run_flower(config, out, progress=not args.quiet)
     else:
-        Experiment(config).run(out, progress=not args.quiet)
+        Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
     _print_summary(out)
+    _report(args, out)
     return 0
+
+
+def _callbacks(args: argparse.Namespace) -> list:
+    if not args.tensorboard:
+        return []
+    from fedcluster.loggers import TensorBoardLogger
+
+    return [TensorBoardLogger(args.tensorboard)]
+
+
+def _report(args: argparse.Namespace, out: Path) -> None:
+    """Write the run's report and print its path as the last line (unless --no-report)."""
+    if args.no_report:
+        return
+    from fedcluster.reporting import write_report
+
+    print(f"report: {write_report([out])}")
 
 
 def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:
@@ -145,8 +224,10 @@ def _resume(args: argparse.Namespace) -> int:
 
     if not (Path(args.dir) / "config.yaml").exists():
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
-    resume(args.dir, progress=not args.quiet)
+    callbacks = _callbacks(args)
+    resume(args.dir, progress=not args.quiet, callbacks=callbacks)
     _print_summary(Path(args.dir))
+    _report(args, Path(args.dir))
     return 0
 
 
@@ -156,23 +237,24 @@ def _print_summary(out: Path) -> None:
     print(f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}")
 
 
-def _list() -> int:
-    from fedcluster.algorithms import ALGORITHMS
-    from fedcluster.config import list_presets
-    from fedcluster.data.natural import NATURAL
-    from fedcluster.data.partitions import PARTITIONS
-    from fedcluster.data.sources import list_datasets
-    from fedcluster.models import MODELS
+def _list(args: argparse.Namespace) -> int:
+    from fedcluster.catalog import format_sections
 
-    sections = {
-        "algorithms": sorted(ALGORITHMS),
-        "datasets": list_datasets(),
-        "partitions": sorted([*PARTITIONS, NATURAL]),
-        "models": sorted(MODELS),
-        "presets": list_presets(),
-    }
-    for title, names in sections.items():
-        print(f"{title}: {', '.join(names)}")
+    print(format_sections(args.section))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from fedcluster.config import dump_config, resolve_config
+
+    print(dump_config(resolve_config(None, args.preset, args.sets)), end="")
+    return 0
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from fedcluster.reporting import write_report
+
+    print(f"report: {write_report(args.runs, args.out)}")
     return 0
 
 
@@ -190,8 +272,12 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "resume":
             return _resume(args)
+        if args.command == "report":
+            return _report_command(args)
         if args.command == "list":
-            return _list()
+            return _list(args)
+        if args.command == "show":
+            return _show(args)
         if args.command == "flower" and args.flower_command:
             from fedcluster.flower.commands import flower_command
 

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedcluster.errors import ConfigError
+from fedcluster.overrides import apply_sweeps, expand_algorithm_key, select_algorithms
 
 DEFAULT_PRESET = "quickstart"
 
@@ -370,10 +371,16 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 
 
 def apply_set(raw: dict[str, Any], assignment: str) -> dict[str, Any]:
-    """Apply one ``dotted.key=value`` override (value parsed as YAML; list items by index)."""
+    """Apply one ``dotted.key=value`` override (value parsed as YAML; list items by index;
+    an algorithm also by label or name, :func:`fedcluster.overrides.expand_algorithm_key`)."""
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected dotted.key=value")
     key, _, text = assignment.partition("=")
+    keys = expand_algorithm_key(raw, key)
+    if keys != [key]:
+        for k in keys:
+            raw = apply_set(raw, f"{k}={text}")
+        return raw
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -407,8 +414,15 @@ def resolve_config(
     preset: str | None = None,
     sets: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
+    algorithms: list[str] | None = None,
+    sweeps: list[str] | None = None,
 ) -> ExperimentConfig:
-    """Merge preset, config file, ``--set`` assignments and flag overrides, then validate."""
+    """Merge preset, config file, ``--set`` assignments and flag overrides, then validate.
+
+    ``algorithms`` (``--algorithms``) selects entries before the assignments, so
+    ``--set algorithms.<name>.<param>=...`` reaches them; ``sweeps`` (``--sweep``)
+    expand entries after them (:mod:`fedcluster.overrides`).
+    """
     raw: dict[str, Any] = {}
     if preset is None and config_path is None:
         preset = DEFAULT_PRESET
@@ -416,8 +430,11 @@ def resolve_config(
         raw = load_preset(preset)
     if config_path is not None:
         raw = deep_merge(raw, load_yaml(config_path))
+    if algorithms:
+        raw = select_algorithms(raw, algorithms)
     for assignment in sets or []:
         raw = apply_set(raw, assignment)
+    raw = apply_sweeps(raw, sweeps or [])
     raw = deep_merge(raw, overrides or {})
     return validate_config(raw)
 

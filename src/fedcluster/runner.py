@@ -388,8 +388,11 @@ def resume(
     out: str | Path,
     progress: bool = True,
     experiment_factory: Callable[[ExperimentConfig], Experiment] = Experiment,
+    callbacks: Sequence[Callback] = (),
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config."""
     path = Path(out)
     config = validate_config(load_yaml(path / "config.yaml"))
-    return experiment_factory(config).run(path, resume=True, progress=progress)
+    experiment = experiment_factory(config)
+    experiment.callbacks += list(callbacks)
+    return experiment.run(path, resume=True, progress=progress)

@@ -1,6 +1,7 @@
 """Optional download of the file-based datasets, verified by SHA-256.
 
-Every file is fetched with :mod:`urllib` into a temporary file next to its
+Every file is fetched with :mod:`urllib` (with a tqdm progress bar on stderr)
+into a temporary file next to its
 destination, hashed while it streams, and renamed into place only when its
 SHA-256 is one of the digests listed here; otherwise the temporary file is
 deleted and :class:`~fedcluster.errors.DataError` names the URL and both hashes.
@@ -33,6 +34,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 from fedcluster.errors import DataError
 
@@ -231,9 +234,20 @@ def _fetch(url: str, target: Path, sha256: tuple[str, ...], timeout: float) -> N
     try:
         digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
-            while chunk := resp.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
+            size = resp.headers.get("Content-Length")
+            with tqdm(
+                total=int(size) if size and size.isdigit() else None,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=target.name,
+                leave=False,
+                dynamic_ncols=True,
+            ) as bar:
+                while chunk := resp.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    bar.update(len(chunk))
         got = digest.hexdigest()
         if got not in sha256:
             raise DataError(

@@ -6,7 +6,7 @@ github.com/TalwalkarLab/leaf) stores a federated dataset as JSON files::
     {"users": ["f0000_14", ...], "num_samples": [123, ...],
      "user_data": {"f0000_14": {"x": [...], "y": [...]}, ...}}
 
-in a ``train/`` and a ``test/`` folder (LEAF's ``--sf``/``-t sample`` split:
+in a ``train/`` and a ``test/`` folder (LEAF's sampled split, ``-t sample`` in its scripts:
 every user holds samples in both). FedGroup (Duan et al., Sec. V-A, Table II)
 and FedProx (Li et al. 2020) use these files; fedcluster does not download
 them: users generate them with LEAF's own scripts (docs/datasets.md).

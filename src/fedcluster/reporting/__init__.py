@@ -1,0 +1,46 @@
+"""Reports of runs: ``report.html`` (self-contained) and ``report.md`` with PNGs, from run dirs.
+
+``fedcluster report RUN [RUN ...]`` and the end of ``run`` / ``compare`` /
+``resume`` call :func:`write_report`. The report reads only the run
+directory's files (:mod:`fedcluster.reporting.rundata`), draws the figures
+with matplotlib's Agg backend (:mod:`fedcluster.reporting.figures`), decides
+which sections the runs have content for (:mod:`fedcluster.reporting.document`)
+and writes both formats (:mod:`fedcluster.reporting.writers`). Several run
+directories give one comparison report. docs/reports.md describes each section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedcluster.errors import FedclusterError
+
+
+def write_report(runs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Write ``report.html`` and ``report.md`` (+ ``plots/``) for ``runs``; return the HTML path.
+
+    ``out`` defaults to the run directory for one run; several runs need it.
+    """
+    from fedcluster.reporting.document import build_sections
+    from fedcluster.reporting.rundata import load_run
+    from fedcluster.reporting.writers import write_html, write_markdown
+
+    if not runs:
+        raise FedclusterError("report: give at least one run directory")
+    if out is None:
+        if len(runs) > 1:
+            raise FedclusterError("report: several runs need --out DIR for the comparison report")
+        out = runs[0]
+    data = [load_run(r) for r in runs]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = build_sections(data)
+    if len(data) == 1:
+        title = f"fedcluster report: {data[0].name}"
+        subtitle = f"Run directory {data[0].path}; seeds {', '.join(map(str, data[0].seeds))}."
+    else:
+        title = "fedcluster comparison: " + ", ".join(d.name for d in data)
+        subtitle = "Run directories: " + ", ".join(str(d.path) for d in data) + "."
+    write_markdown(out / "report.md", title, subtitle, sections)
+    write_html(out / "report.html", title, subtitle, sections)
+    return out / "report.html"

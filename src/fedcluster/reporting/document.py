@@ -1,0 +1,134 @@
+"""The report's content, independent of its format: sections of text, figures and tables.
+
+:func:`build_sections` decides what a set of runs shows: accuracy, clustering
+quality (purity as in JGL Sec. III-A-3, ARI, cluster count) and assignment
+heatmaps only when some algorithm clusters, ε only when local DP was on
+(:mod:`fedcluster.privacy`), the events timeline only when ``events.csv`` has
+rows (a dynamic federation, :mod:`fedcluster.scenario`), algorithm diagnostics
+only when ``diagnostics.csv`` has rows. The writers
+(:mod:`fedcluster.reporting.writers`) render the same sections as HTML and
+Markdown.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fedcluster.report import summary_rows
+from fedcluster.reporting import figures
+from fedcluster.reporting.rundata import RunData
+
+
+@dataclass
+class Section:
+    """One part of the report; ``key`` is its HTML id and the stem of its PNG file."""
+
+    key: str
+    title: str
+    text: str = ""
+    image: bytes | None = None
+    tables: list[tuple[str, list[dict[str, str]]]] = field(default_factory=list)
+    code: str | None = None
+
+
+def build_sections(runs: list[RunData]) -> list[Section]:
+    """Every section the runs have content for, in reading order."""
+    items = figures.entries(runs)
+    out: list[Section] = [_table(runs)]
+    plots = [
+        (
+            "accuracy",
+            "Accuracy over rounds",
+            figures.accuracy(items),
+            "Left: test accuracy over all clients' test samples, each client using the model it "
+            "would use (line: mean over seeds, band: min to max). Right: mean ± std of the "
+            "per-client accuracies.",
+        ),
+        (
+            "clustering",
+            "Clustering quality",
+            figures.clustering(items),
+            "Purity and adjusted Rand index of the clients' clusters against the true groups, "
+            "and how many clusters are in use (algorithms that cluster clients).",
+        ),
+        (
+            "clusters",
+            "Cluster assignments",
+            figures.heatmaps(items),
+            "One row per client, sorted by true group (black lines between groups); the colour is "
+            "the cluster the client is in at each round (white: in no cluster: absent, or before "
+            "the algorithm clustered). Groups that share a colour were merged; "
+            "a group with several colours was split.",
+        ),
+        (
+            "communication",
+            "Accuracy against communication",
+            figures.communication(items),
+            "Test accuracy against the megabytes sent so far, uploads plus downloads, counted "
+            "where sent.",
+        ),
+        (
+            "privacy",
+            "Privacy spent",
+            figures.epsilon(items),
+            "Local differential privacy: the largest ε any client has spent so far, at the "
+            "configured δ.",
+        ),
+        (
+            "events",
+            "Events",
+            figures.events(runs),
+            "Dynamic federation: clients joining, leaving, failing to reply, drifting, and uploads "
+            "the server rejected.",
+        ),
+        (
+            "diagnostics",
+            "Algorithm diagnostics",
+            figures.diagnostics(items),
+            "Quantities the algorithms report about their own state (diagnostics.csv).",
+        ),
+    ]
+    for key, title, fig, text in plots:
+        if fig is None:
+            continue
+        section = Section(key, title, text, figures.png(fig))
+        if key == "events":
+            section.tables = [(r.name, _event_counts(r)) for r in runs if r.events]
+        out.append(section)
+    for run in runs:
+        title = "Configuration" + ("" if len(runs) == 1 else f": {run.name}")
+        key = "config" if len(runs) == 1 else f"config-{len(out)}"
+        out.append(
+            Section(key, title, f"The resolved config.yaml of {run.path}.", code=run.config_text)
+        )
+    return out
+
+
+def _table(runs: list[RunData]) -> Section:
+    tables = []
+    for run in runs:
+        jobs = run.summary.get("jobs") or []
+        rows = summary_rows(jobs) if jobs else []
+        tables.append((run.name if len(runs) > 1 else "", rows))
+    text = (
+        "final acc: test accuracy over all clients' test samples after the last round; "
+        "client acc: mean ± std over clients; purity: the clusters against the true groups "
+        "(JGL Sec. III-A-3); mean ± std over seeds where there are several."
+    )
+    if any(not rows for _, rows in tables):
+        text += " A run without summary.json has not finished; its table is empty."
+    return Section("summary", "Results", text, tables=tables)
+
+
+def _event_counts(run: RunData) -> list[dict[str, str]]:
+    counts: dict[tuple[str, str], Counter] = {}
+    kinds: list[str] = []
+    for ev in run.events:
+        counts.setdefault((ev["algorithm"], ev["seed"]), Counter())[ev["kind"]] += 1
+        if ev["kind"] not in kinds:
+            kinds.append(ev["kind"])
+    return [
+        {"algorithm": alg, "seed": seed, **{k: str(c[k]) for k in kinds}}
+        for (alg, seed), c in counts.items()
+    ]
