@@ -21,6 +21,7 @@ from fedcluster.algorithms import ALGORITHMS
 from fedcluster.algorithms.base import UpdateBound
 from fedcluster.data.drift import DriftKind
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.robust import Aggregator, Rule
 from fedcluster.errors import ConfigError
 
 DEFAULT_PRESET = "quickstart"
@@ -155,7 +156,7 @@ class DriftConfig(_Strict):
         return self
 
 
-FaultKind = Literal["nan", "inf", "huge"]
+FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip"]
 
 
 class FaultyConfig(_Strict):
@@ -166,6 +167,12 @@ class FaultyConfig(_Strict):
         description="faults, dealt to the faulty clients in turn",
     )
     scale: float = Field(1e6, gt=1.0, description="huge: the update multiplied by this")
+    scaled_factor: float = Field(
+        10.0, gt=0.0, description="scaled: the update multiplied by this (finite, plausible)"
+    )
+    flip_factor: float = Field(
+        1.0, gt=0.0, description="sign_flip: the update multiplied by minus this"
+    )
 
 
 class ScenarioConfig(_Strict):
@@ -205,6 +212,26 @@ class RejectionConfig(_Strict):
 
     def bound(self) -> UpdateBound:
         return UpdateBound(**self.model_dump())
+
+
+class AggregationConfig(_Strict):
+    """How every algorithm averages client models (per cluster): :mod:`fedcluster.engine.robust`.
+
+    ``mean`` is the papers' weighted average; ``median``, ``trimmed_mean``
+    (Yin et al., ICML 2018) and ``clipped_mean`` (updates clipped to the
+    ``clip_quantile`` quantile of the round's update norms) resist faulty clients.
+    """
+
+    rule: Rule = Field("mean", description="mean | median | trimmed_mean | clipped_mean")
+    trim: float = Field(
+        0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"
+    )
+    clip_quantile: float = Field(
+        0.5, gt=0.0, le=1.0, description="clipped_mean: the norm quantile updates are clipped to"
+    )
+
+    def aggregator(self) -> Aggregator:
+        return Aggregator(**self.model_dump())
 
 
 class AlgorithmSpec(_Strict):
@@ -249,6 +276,7 @@ class ExperimentConfig(_Strict):
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
     rejection: RejectionConfig = Field(default_factory=RejectionConfig)
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     algorithms: list[AlgorithmSpec] = Field(
         default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
     )

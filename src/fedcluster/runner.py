@@ -320,6 +320,7 @@ class Experiment:
             init_row=start_row,
             comm=Comm(),
             bound=cfg.rejection.bound(),
+            aggregate=cfg.aggregation.aggregator(),
         )
         privacy = LocalDP.install(ctx, cfg)  # local DP (None without a privacy section)
         faulty = scenario.upload_transform()

@@ -35,6 +35,7 @@ from torch import nn
 from fedcluster.engine.backend import Backend
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.results import EvalResult
+from fedcluster.engine.robust import Aggregator
 
 if TYPE_CHECKING:
     from fedcluster.privacy import LocalDP
@@ -143,6 +144,9 @@ class Context:
     """Local DP of the uploads (:class:`~fedcluster.privacy.LocalDP`): the backend
     releases them where the client is, :meth:`exchange` records them in its ledger."""
     bound: UpdateBound = field(default_factory=UpdateBound)
+    aggregate: Aggregator = field(default_factory=Aggregator)
+    """The rule by which every algorithm averages client models (plain mean by default;
+    :mod:`fedcluster.engine.robust`), per cluster where there are clusters."""
     failed: list[int] = field(default_factory=list)
     events: list[tuple[int, str, str]] = field(default_factory=list)
     """The round's ``(client, kind, detail)`` records: ``failed`` and ``rejected``."""

@@ -158,7 +158,9 @@ class CFL(Algorithm):
         state["clusters"] = clusters
         state["update_norms"] = np.array(norms)
         labels = self.clusters(state)[selected]
-        state["models"] = cluster_average(ex.rows, labels, torch.stack(models), sizes)
+        state["models"] = cluster_average(
+            ex.rows, labels, torch.stack(models), sizes, ctx.aggregate
+        )
         return weighted_loss(ex.loss, sizes)
 
     def _split(

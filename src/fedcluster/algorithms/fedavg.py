@@ -31,7 +31,6 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
-from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.results import EvalResult
 
 
@@ -63,7 +62,7 @@ class FedAvg(Algorithm):
         ex = ctx.exchange(selected, state["global"], rnd, ctx.local(mu=self.params.mu), ints=1)
         if len(ex.clients):
             sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
-            state["global"] = weighted_average(ex.rows, sizes)
+            state["global"] = ctx.aggregate(state["global"], ex.rows, sizes)
         return ex
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:

@@ -1,0 +1,97 @@
+"""Faulty clients against plain and robust aggregation (issue 13, docs/reliability.md).
+
+The main job's federation (the quickstart preset: 5,000 MNIST digits, 24
+clients in 4 rotation groups, MLP 200-100), with a share of faulty clients
+whose uploads are corrupted (:class:`fedcluster.scenario.FaultyUploads`), for
+FedAvg, IFCA, JGL, CFLGT, DCFL and FedGroup, under the plain weighted average
+(``aggregation.rule: mean``, the papers' rule) and the robust rules
+(:mod:`fedcluster.engine.robust`). Reports the final test accuracy (mean over
+seeds) per algorithm, setting and rule.
+
+    python -m benchmarks.reliability --seeds 3 --rounds 20 --out runs/reliability
+
+``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated).
+Accuracy is deterministic (same config + seed = same numbers), so the
+machine's load does not change the table, only how long it takes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import parser, run_setting, save_json
+
+# name -> scenario.faulty section (share of the 24 clients and their faults)
+SETTINGS: dict[str, dict] = {
+    "none": {"share": 0.0},
+    "nan-inf-25": {"share": 0.25, "kinds": ["nan", "inf"]},
+    "huge-25": {"share": 0.25, "kinds": ["huge"], "scale": 1e6},
+    "huge-60": {"share": 0.6, "kinds": ["huge"], "scale": 1e6},
+    "scaled-25": {"share": 0.25, "kinds": ["scaled"], "scaled_factor": 10.0},
+    "flip-25": {"share": 0.25, "kinds": ["sign_flip"], "flip_factor": 1.0},
+    "flip5-40": {"share": 0.4, "kinds": ["sign_flip"], "flip_factor": 5.0},
+}
+
+ALGORITHMS: dict[str, str] = {
+    "fedavg": "{name: fedavg}",
+    "ifca": "{name: ifca, params: {n_clusters: 4}}",
+    "jgl": "{name: jgl, params: {n_clusters: 4, lam: 0.2}}",
+    "cflgt": "{name: cflgt, params: {pretrain_rounds: 5}}",
+    "dcfl": "{name: dcfl}",
+    "fedgroup": "{name: fedgroup, params: {n_groups: 4}}",
+}
+
+RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
+
+
+def final_accuracy(job: dict) -> float:
+    """The last evaluated round's test accuracy of a job (NaN if it never evaluated)."""
+    acc = job["final_accuracy"]
+    return math.nan if acc is None else float(acc)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--rules", default="mean,median,clipped_mean")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--trim", type=float, default=0.25, help="trimmed_mean: share cut per side")
+    p.set_defaults(seeds=3, rounds=20, out="runs/reliability")
+    args = p.parse_args()
+    settings, rules, algs = (s.split(",") for s in (args.settings, args.rules, args.algorithms))
+    for given, known in ((settings, SETTINGS), (rules, RULES), (algs, ALGORITHMS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            p.error(f"unknown {unknown}; choose from {list(known)}")
+    out = Path(args.out)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    algorithms = "algorithms=[" + ", ".join(ALGORITHMS[a] for a in algs) + "]"
+    for setting in settings:
+        for rule in rules:
+            key = f"{setting}/{rule}"
+            if key in results and all(a in results[key] for a in algs):
+                continue  # measured already (the benchmark resumes where it stopped)
+            sets = [
+                algorithms,
+                f"scenario.faulty={json.dumps(SETTINGS[setting])}",
+                f"aggregation={{rule: {rule}, trim: {args.trim}}}",
+                "checkpoint_every=1000",
+            ]
+            jobs = run_setting(
+                "quickstart", sets, args.seeds, out / setting / rule, args.data_dir, args.rounds
+            )
+            results[key] = {
+                a: [final_accuracy(j) for j in jobs if j["algorithm"] == a] for a in algs
+            }
+            save_json(results_path, results)
+            means = {a: round(100 * float(np.mean(v)), 1) for a, v in results[key].items()}
+            print(key, means, flush=True)
+
+
+if __name__ == "__main__":
+    main()
