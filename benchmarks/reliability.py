@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import parser, run_setting, save_json
+from fedcluster.report import format_table
 
 # name -> scenario.faulty section (share of the 24 clients and their faults)
 SETTINGS: dict[str, dict] = {
@@ -57,10 +58,13 @@ def final_accuracy(job: dict) -> float:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--settings", default=",".join(SETTINGS))
-    p.add_argument("--rules", default="mean,median,clipped_mean")
+    p.add_argument("--rules", default="mean,clipped_mean")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--trim", type=float, default=0.25, help="trimmed_mean: share cut per side")
-    p.set_defaults(seeds=3, rounds=20, out="runs/reliability")
+    p.add_argument(
+        "--clip-quantile", type=float, default=0.25, help="clipped_mean: norm quantile clipped to"
+    )
+    p.set_defaults(seeds=3, rounds=10, out="runs/reliability")
     args = p.parse_args()
     settings, rules, algs = (s.split(",") for s in (args.settings, args.rules, args.algorithms))
     for given, known in ((settings, SETTINGS), (rules, RULES), (algs, ALGORITHMS)):
@@ -69,28 +73,47 @@ def main() -> None:
             p.error(f"unknown {unknown}; choose from {list(known)}")
     out = Path(args.out)
     results_path = out / "results.json"
+    # results[setting/rule][algorithm][seed] = final accuracy; seeds outermost, so a
+    # benchmark stopped early holds whole tables for its first seeds (and resumes from them)
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     algorithms = "algorithms=[" + ", ".join(ALGORITHMS[a] for a in algs) + "]"
-    for setting in settings:
-        for rule in rules:
-            key = f"{setting}/{rule}"
-            if key in results and all(a in results[key] for a in algs):
-                continue  # measured already (the benchmark resumes where it stopped)
-            sets = [
-                algorithms,
-                f"scenario.faulty={json.dumps(SETTINGS[setting])}",
-                f"aggregation={{rule: {rule}, trim: {args.trim}}}",
-                "checkpoint_every=1000",
-            ]
-            jobs = run_setting(
-                "quickstart", sets, args.seeds, out / setting / rule, args.data_dir, args.rounds
-            )
-            results[key] = {
-                a: [final_accuracy(j) for j in jobs if j["algorithm"] == a] for a in algs
-            }
-            save_json(results_path, results)
-            means = {a: round(100 * float(np.mean(v)), 1) for a, v in results[key].items()}
-            print(key, means, flush=True)
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for setting in settings:
+            for rule in rules:
+                key = f"{setting}/{rule}"
+                done = results.setdefault(key, {})
+                if all(str(seed) in done.get(a, {}) for a in algs):
+                    continue
+                sets = [
+                    algorithms,
+                    f"scenario.faulty={json.dumps(SETTINGS[setting])}",
+                    f"aggregation={{rule: {rule}, trim: {args.trim}, "
+                    f"clip_quantile: {args.clip_quantile}}}",
+                    "checkpoint_every=1000",
+                ]
+                where = out / f"seed{seed}" / setting / rule
+                jobs = run_setting(
+                    "quickstart", sets, 1, where, args.data_dir, args.rounds, first_seed=seed
+                )
+                for j in jobs:
+                    done.setdefault(j["algorithm"], {})[str(seed)] = final_accuracy(j)
+                save_json(results_path, results)
+                print(f"seed {seed} {key}", {j["algorithm"]: j["final_accuracy"] for j in jobs})
+    print(format_table(table(results, settings, rules, algs)))
+
+
+def table(results: dict, settings: list[str], rules: list[str], algs: list[str]) -> list[dict]:
+    """Rows (algorithm, setting) with the mean accuracy in % under each rule and the seeds used."""
+    rows = []
+    for alg in algs:
+        for setting in settings:
+            row: dict[str, object] = {"algorithm": alg, "setting": setting}
+            for rule in rules:
+                accs = list(results.get(f"{setting}/{rule}", {}).get(alg, {}).values())
+                row[rule] = f"{100 * np.mean(accs):.1f}" if accs else "-"
+                row["seeds"] = str(len(accs))
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

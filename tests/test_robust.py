@@ -64,7 +64,7 @@ def test_clipping_leaves_updates_below_the_scale_untouched():
     norms = np.array([1.0, 2.0, 3.0, 4.0, 50.0])
     updates = directions * torch.as_tensor(norms).unsqueeze(1)
     weights = torch.tensor([1.0, 2.0, 1.0, 3.0, 1.0])
-    got = clipped_mean(start, start + updates, weights)
+    got = clipped_mean(start, start + updates, weights, quantile=0.5)
     # Hand computation: the median norm is 3; the first three pass, the others shrink to norm 3.
     clipped = updates.numpy() * np.minimum(1.0, 3.0 / norms)[:, None]
     want = start.numpy() + (weights.numpy()[:, None] * clipped).sum(0) / weights.numpy().sum()
@@ -75,7 +75,7 @@ def test_clipping_leaves_updates_below_the_scale_untouched():
 def test_clipping_measures_updates_from_each_rows_start():
     starts = _rows(4, d=3, seed=5)
     updates = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 9]], dtype=torch.float64)
-    got = clipped_mean(starts, starts + updates, torch.ones(4))
+    got = clipped_mean(starts, starts + updates, torch.ones(4), quantile=0.5)
     want = (starts + updates * torch.tensor([1.0, 1, 1, 1 / 9]).unsqueeze(1)).mean(0)
     torch.testing.assert_close(got, want)
 
@@ -114,7 +114,7 @@ def test_a_scaled_minority_cannot_move_the_robust_average():
 
 def test_config_section_and_unknown_rule():
     cfg = resolve_config(None, "quickstart", ["aggregation.rule=clipped_mean"], {})
-    assert cfg.aggregation.aggregator() == Aggregator("clipped_mean", 0.1, 0.5)
+    assert cfg.aggregation.aggregator() == Aggregator("clipped_mean", 0.1, 0.25)
     assert resolve_config(None, "quickstart", [], {}).aggregation.aggregator() == Aggregator()
     with pytest.raises(ConfigError, match="aggregation.rule"):
         resolve_config(None, "quickstart", ["aggregation.rule=mode"], {})
@@ -159,3 +159,16 @@ def test_scaled_and_sign_flipped_uploads():
     )
     want = torch.tensor([[2.0, 0.0], [21.0, 1.0], [1.0, -19.0], [-99.0, -99.0]])
     assert torch.equal(out, want)
+
+
+def test_the_quartile_scale_survives_a_majority_of_huge_updates():
+    """60% of updates ×1e6: the median norm is theirs, the lower quartile still an honest one."""
+    rng = np.random.default_rng(2)
+    honest = torch.as_tensor(1.0 + 0.1 * rng.normal(size=(10, 50)))
+    rows = torch.cat([honest, 1e6 * torch.as_tensor(1.0 + 0.1 * rng.normal(size=(15, 50)))])
+    start = torch.zeros(50, dtype=rows.dtype)
+    truth = honest.mean(0)
+    quartile = aggregate(start, rows, None, Aggregator("clipped_mean", clip_quantile=0.25))
+    assert (quartile - truth).norm() < 0.1 * truth.norm()
+    median_scale = aggregate(start, rows, None, Aggregator("clipped_mean", clip_quantile=0.5))
+    assert (median_scale - truth).norm() > 1e3 * truth.norm()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -89,15 +90,33 @@ def _run(args: argparse.Namespace) -> int:
 
     config = resolve_config(args.config, args.preset, args.sets, _overrides(args))
     out = Path(args.out or f"runs/{config.name}-{datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and not out.is_dir():
+        raise FedclusterError(f"--out {out} is an existing file, not a directory")
     if out.exists() and any(out.iterdir()):
         raise FedclusterError(f"run directory {out} is not empty; choose another --out")
     print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
-    if getattr(args, "backend", "simulator") == "flower":
-        _run_flower(config, out, progress=not args.quiet)
-    else:
-        Experiment(config).run(out, progress=not args.quiet)
+    fresh = not out.exists()
+    try:
+        if getattr(args, "backend", "simulator") == "flower":
+            _run_flower(config, out, progress=not args.quiet)
+        else:
+            Experiment(config).run(out, progress=not args.quiet)
+    except FedclusterError:
+        _remove_if_unstarted(out, fresh)
+        raise
     _print_summary(out)
     return 0
+
+
+def _remove_if_unstarted(out: Path, fresh: bool) -> None:
+    """Remove a run directory this command created when it failed before any checkpoint.
+
+    Such a directory holds only the config and empty tables; leaving it would
+    make the same command fail next time with "not empty". A directory with a
+    checkpoint is a run that can be resumed and stays.
+    """
+    if fresh and out.is_dir() and not any((out / "checkpoints").glob("*")):
+        shutil.rmtree(out)
 
 
 def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:

@@ -25,10 +25,13 @@ from fedcluster.engine.robust import Aggregator, Rule
 from fedcluster.errors import ConfigError
 
 DEFAULT_PRESET = "quickstart"
+MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typos
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Numbers are finite: ``.inf`` / ``.nan`` are errors naming the field (e.g. ε = inf is
+    # not "no privacy": that is ``privacy.mode: none``, docs/privacy.md).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataConfig(_Strict):
@@ -227,7 +230,7 @@ class AggregationConfig(_Strict):
         0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"
     )
     clip_quantile: float = Field(
-        0.5, gt=0.0, le=1.0, description="clipped_mean: the norm quantile updates are clipped to"
+        0.25, gt=0.0, le=1.0, description="clipped_mean: the norm quantile updates are clipped to"
     )
 
     def aggregator(self) -> Aggregator:
@@ -268,7 +271,7 @@ class AlgorithmSpec(_Strict):
 class ExperimentConfig(_Strict):
     name: str = "experiment"
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    rounds: int = Field(20, ge=1)
+    rounds: int = Field(20, ge=1, le=MAX_ROUNDS, description="communication rounds")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -342,6 +345,8 @@ def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
                 if allowed:
                     text += f"; allowed: {', '.join(allowed)}"
             lines.append(text)
+        if len(lines) == 1:  # one error, one line
+            raise ConfigError(f"invalid config: {lines[0]}") from None
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
@@ -363,10 +368,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
+    if data is None:  # an empty file is a mistake, not a request for the defaults
+        raise ConfigError(f"config file {path} is empty (give at least one field)")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping of fields")
     return data

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.metrics import COLUMNS, accuracy_columns, cluster_columns, format_row
-from fedcluster.models import build_model
+from fedcluster.models import build_model, check_rows_fit
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.report import format_table, summary_rows
 from fedcluster.rng import numpy_rng
@@ -96,6 +97,12 @@ def select_clients(
     p = config.participation
     if p.fraction is None and p.count is None:
         return candidates
+    if p.count is not None and p.count > n_clients:  # once per message (warnings' default)
+        warnings.warn(
+            f"participation.count {p.count} is above the number of clients {n_clients}; "
+            f"every available client takes part",
+            stacklevel=2,
+        )
     k = p.count if p.count is not None else max(1, round(p.fraction * len(candidates)))
     k = min(k, len(candidates))
     return np.sort(numpy_rng(seed, "participation", rnd).choice(candidates, k, replace=False))
@@ -244,7 +251,9 @@ class Experiment:
         if self._model is not None:
             return self._model
         m = self.config.model
-        return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
+        model = build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
+        check_rows_fit(m.name, model, rows=federation.n_clients + 1)  # uploads + the start
+        return model
 
     def backend(self, model: nn.Module, federation: Federation, seed: int) -> Backend:
         """What runs the client computations: the batched simulator (the Flower
