@@ -1,4 +1,4 @@
-"""Command-line interface: ``fedcluster run | compare | resume | list``."""
+"""Command-line interface: ``fedcluster run | compare | resume | list | verify``."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--quiet", action="store_true")
 
     sub.add_parser("list", help="show algorithms, datasets, partitions, models and presets")
+    ver = sub.add_parser("verify", help="check local dataset files against pinned SHA-256 sums")
+    ver.add_argument("--data-dir", help="dataset root (default $FEDCLUSTER_DATA or the user cache)")
     return parser
 
 
@@ -165,6 +167,24 @@ def _list() -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """One line per pinned dataset file; exit 1 when a present file differs from its pins."""
+    from fedcluster.data.integrity import verify_data_dir
+    from fedcluster.data.sources import resolve_data_dir
+
+    root = resolve_data_dir(args.data_dir)
+    if not root.is_dir():
+        raise FedclusterError(f"--data-dir {root} is not a directory")
+    checks = verify_data_dir(root)
+    for c in checks:
+        detail = f"  (sha256 {c.sha256})" if c.status == "differs" else ""
+        print(f"{c.status:8} {root / c.path}{detail}")
+    bad = [c for c in checks if c.status == "differs"]
+    present = sum(c.status != "missing" for c in checks)
+    print(f"{present} of {len(checks)} known files present, {len(bad)} differ", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -181,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return _resume(args)
         if args.command == "list":
             return _list()
+        if args.command == "verify":
+            return _verify(args)
         parser.print_help()
         return 2
     except FedclusterError as exc:
