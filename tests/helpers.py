@@ -14,6 +14,16 @@ from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 
+TINY_RUN_SETS = [
+    "--set",
+    "data.dataset=digits",
+    "--set",
+    "algorithms=[{name: fedavg}]",
+    "--set",
+    "data.partition={name: iid, n_clients: 4, test_fraction: 0.2}",
+]
+"""``--set`` arguments of a tiny CLI run: scikit-learn's digits, 4 clients, FedAvg."""
+
 
 def rotated_digits(
     n_groups: int = 4,

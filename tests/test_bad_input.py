@@ -13,18 +13,9 @@ import pytest
 from fedcluster.cli import main
 from fedcluster.config import MAX_ROUNDS, resolve_config
 from fedcluster.runner import select_clients
+from tests.helpers import TINY_RUN_SETS
 
-TINY = [
-    "--quiet",
-    "--rounds",
-    "1",
-    "--set",
-    "data.dataset=digits",
-    "--set",
-    "algorithms=[{name: fedavg}]",
-    "--set",
-    "data.partition={name: iid, n_clients: 4, test_fraction: 0.2}",
-]
+TINY = ["--quiet", "--rounds", "1", *TINY_RUN_SETS]
 
 
 def _directory(tmp_path):
