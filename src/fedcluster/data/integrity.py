@@ -83,7 +83,7 @@ def warn_if_modified(path: Path) -> bool:
     without being read.
     """
     key = known_name(path)
-    if key is None:
+    if key is None or not path.is_file():
         return False
     stat = path.stat()
     cache_key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
