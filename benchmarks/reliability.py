@@ -111,7 +111,9 @@ def table(results: dict, settings: list[str], rules: list[str], algs: list[str])
     """
 
     def mean(key: str, alg: str) -> tuple[str, int]:
-        accs = list(results.get(key, {}).get(alg, {}).values())
+        # only seeds with a fault-free baseline: every cell of a row averages the same seeds
+        base = results.get("none/mean", {}).get(alg, {})
+        accs = [v for k, v in results.get(key, {}).get(alg, {}).items() if k in base]
         return (f"{100 * np.mean(accs):.1f}" if accs else "-"), len(accs)
 
     rows = []
