@@ -11,6 +11,7 @@ from fedcluster.algorithms import check_algorithms
 from fedcluster.cli import main
 from fedcluster.config import apply_set, list_presets, resolve_config, validate_config
 from fedcluster.errors import ConfigError
+from tests.helpers import TINY_RUN_SETS
 
 
 def test_unknown_key_names_the_field_and_what_is_allowed():
@@ -119,12 +120,7 @@ def test_cli_run_prints_summary_table(tmp_path):
         str(tmp_path),
         "--rounds",
         "2",
-        "--set",
-        "data.dataset=digits",
-        "--set",
-        "algorithms=[{name: fedavg}]",
-        "--set",
-        "data.partition={name: iid, n_clients: 4, test_fraction: 0.2}",
+        *TINY_RUN_SETS,
     ]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     assert "| fedavg" in out and "final acc %" in out

@@ -1,9 +1,11 @@
-"""Command-line interface: ``fedcluster run | compare | resume | report | list | show | flower``."""
+"""Command-line interface: ``fedcluster run | compare | resume | report | list | show | verify |
+flower``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -109,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("preset", help="preset name (see `fedcluster list presets`)")
     show.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     _flower_parsers(sub)
+    ver = sub.add_parser("verify", help="check local dataset files against pinned SHA-256 sums")
+    ver.add_argument("--data-dir", help="dataset root (default $FEDCLUSTER_DATA or the user cache)")
     return parser
 
 
@@ -176,16 +180,23 @@ def _run(args: argparse.Namespace) -> int:
     slug = run_slug(args.sets, getattr(args, "algorithms", None), args.sweeps)
     name = f"{config.name}-{slug}" if slug else config.name
     out = Path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and not out.is_dir():
+        raise FedclusterError(f"--out {out} is an existing file, not a directory")
     if out.exists() and any(out.iterdir()):
         raise FedclusterError(f"run directory {out} is not empty; choose another --out")
     print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
     callbacks = _callbacks(args)
-    if getattr(args, "backend", "simulator") == "flower":
-        if callbacks:
-            raise FedclusterError("--tensorboard works with the simulator backend only")
-        _run_flower(config, out, progress=not args.quiet)
-    else:
-        Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
+    fresh = not out.exists()
+    try:
+        if getattr(args, "backend", "simulator") == "flower":
+            if callbacks:
+                raise FedclusterError("--tensorboard works with the simulator backend only")
+            _run_flower(config, out, progress=not args.quiet)
+        else:
+            Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
+    except FedclusterError:
+        _remove_if_unstarted(out, fresh)
+        raise
     _print_summary(out)
     _report(args, out)
     return 0
@@ -206,6 +217,17 @@ def _report(args: argparse.Namespace, out: Path) -> None:
     from fedcluster.reporting import write_report
 
     print(f"report: {write_report([out])}")
+
+
+def _remove_if_unstarted(out: Path, fresh: bool) -> None:
+    """Remove a run directory this command created when it failed before any checkpoint.
+
+    Such a directory holds only the config and empty tables; leaving it would
+    make the same command fail next time with "not empty". A directory with a
+    checkpoint is a run that can be resumed and stays.
+    """
+    if fresh and out.is_dir() and not any((out / "checkpoints").glob("*")):
+        shutil.rmtree(out)
 
 
 def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:
@@ -258,6 +280,24 @@ def _report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """One line per pinned dataset file; exit 1 when a present file differs from its pins."""
+    from fedcluster.data.integrity import verify_data_dir
+    from fedcluster.data.sources import resolve_data_dir
+
+    root = resolve_data_dir(args.data_dir)
+    if not root.is_dir():
+        raise FedclusterError(f"--data-dir {root} is not a directory")
+    checks = verify_data_dir(root)
+    for c in checks:
+        detail = f"  (sha256 {c.sha256})" if c.status == "differs" else ""
+        print(f"{c.status:8} {root / c.path}{detail}")
+    bad = [c for c in checks if c.status == "differs"]
+    present = sum(c.status != "missing" for c in checks)
+    print(f"{present} of {len(checks)} known files present, {len(bad)} differ", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -282,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             from fedcluster.flower.commands import flower_command
 
             return flower_command(args, _overrides(args))
+        if args.command == "verify":
+            return _verify(args)
         parser.print_help()
         return 2
     except FedclusterError as exc:

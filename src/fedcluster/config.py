@@ -24,14 +24,19 @@ from fedcluster.errors import ConfigError
 from fedcluster.overrides import apply_sweeps, expand_algorithm_key, select_algorithms
 
 DEFAULT_PRESET = "quickstart"
+MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typos
 
 DriftKind = Literal["rotate", "swap_labels", "redistribute"]
+AggregationRule = Literal["mean", "median", "trimmed_mean", "clipped_mean"]
+"""The aggregation rules of :mod:`fedcluster.engine.robust` (its ``Rule``)."""
 DEFAULT_NORM_FACTOR = 100.0
 """Reject an update whose norm exceeds this times the round's median (only absurd ones)."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Numbers are finite: ``.inf`` / ``.nan`` are errors naming the field (e.g. ε = inf is
+    # not "no privacy": that is ``privacy.mode: none``, docs/privacy.md).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataConfig(_Strict):
@@ -156,7 +161,7 @@ class DriftConfig(_Strict):
         return self
 
 
-FaultKind = Literal["nan", "inf", "huge"]
+FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip"]
 
 
 class FaultyConfig(_Strict):
@@ -167,6 +172,12 @@ class FaultyConfig(_Strict):
         description="faults, dealt to the faulty clients in turn",
     )
     scale: float = Field(1e6, gt=1.0, description="huge: the update multiplied by this")
+    scaled_factor: float = Field(
+        10.0, gt=0.0, description="scaled: the update multiplied by this (finite, plausible)"
+    )
+    flip_factor: float = Field(
+        1.0, gt=0.0, description="sign_flip: the update multiplied by minus this"
+    )
 
 
 class ScenarioConfig(_Strict):
@@ -232,6 +243,23 @@ class EvaluationConfig(_Strict):
     )
 
 
+class AggregationConfig(_Strict):
+    """How every algorithm averages client models (per cluster): :mod:`fedcluster.engine.robust`.
+
+    ``mean`` is the papers' weighted average; ``median``, ``trimmed_mean``
+    (Yin et al., ICML 2018) and ``clipped_mean`` (updates clipped to the
+    ``clip_quantile`` quantile of the round's update norms) resist faulty clients.
+    """
+
+    rule: AggregationRule = Field("mean", description="mean | median | trimmed_mean | clipped_mean")
+    trim: float = Field(
+        0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"
+    )
+    clip_quantile: float = Field(
+        0.25, gt=0.0, le=1.0, description="clipped_mean: the norm quantile updates are clipped to"
+    )
+
+
 class AlgorithmSpec(_Strict):
     name: str
     label: str | None = None
@@ -250,7 +278,7 @@ class AlgorithmSpec(_Strict):
 class ExperimentConfig(_Strict):
     name: str = "experiment"
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    rounds: int = Field(20, ge=1)
+    rounds: int = Field(20, ge=1, le=MAX_ROUNDS, description="communication rounds")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -259,6 +287,7 @@ class ExperimentConfig(_Strict):
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
     rejection: RejectionConfig = Field(default_factory=RejectionConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     algorithms: list[AlgorithmSpec] = Field(
         default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
     )
@@ -329,6 +358,8 @@ def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
                 if allowed:
                     text += f"; allowed: {', '.join(allowed)}"
             lines.append(text)
+        if len(lines) == 1:  # one error, one line
+            raise ConfigError(f"invalid config: {lines[0]}") from None
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
@@ -350,10 +381,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
+    if data is None:  # an empty file is a mistake, not a request for the defaults
+        raise ConfigError(f"config file {path} is empty (give at least one field)")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping of fields")
     return data

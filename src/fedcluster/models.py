@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -178,6 +179,60 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+FLOAT_BYTES = 4
+
+
+def memory_bytes() -> int:
+    """Physical memory of this machine in bytes (a generous upper bound for one model)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not available on this platform
+        return 2**62
+
+
+def available_memory_bytes() -> int:
+    """Memory available for new allocations (``MemAvailable`` on Linux, else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return memory_bytes()
+
+
+def check_rows_fit(name: str, model: nn.Module, rows: int) -> None:
+    """ConfigError naming the model when ``rows`` parameter rows of it cannot fit in memory.
+
+    A round holds one flat row per participating client (their uploads, [n, d]),
+    so a model that fits alone may still not fit a round.
+    """
+    count = sum(p.numel() for p in model.parameters())
+    need = count * FLOAT_BYTES * rows
+    have = available_memory_bytes()
+    if need > have:
+        raise ConfigError(
+            f"model: {name!r} has {count:,} parameters; a round's {rows} model rows need "
+            f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB available"
+        )
+
+
+def parameter_count(
+    factory: Callable[..., nn.Module], input_shape: InputShape, n_classes: int, options: dict
+) -> int | None:
+    """Parameters the factory's model would have, counted on PyTorch's meta device (no memory).
+
+    ``None`` when the factory cannot be built that way (the real build reports its own errors).
+    """
+    try:
+        with torch.device("meta"):
+            probe = factory(tuple(input_shape), n_classes, **options)
+        return sum(p.numel() for p in probe.parameters())
+    except Exception:  # noqa: BLE001 -- only a probe: the real build names the problem
+        return None
+
+
 def build_model(name: str, input_shape: InputShape, n_classes: int, **options) -> nn.Module:
     """Build a preset model by name, or a user model from ``"package.module:factory"``."""
     if ":" in name:
@@ -193,10 +248,19 @@ def build_model(name: str, input_shape: InputShape, n_classes: int, **options) -
         raise ConfigError(
             f"model.name: unknown model {name!r}; allowed: {allowed}, or 'package.module:factory'"
         )
+    count = parameter_count(factory, input_shape, n_classes, options)
+    if count is not None and count * FLOAT_BYTES > memory_bytes():
+        raise ConfigError(
+            f"model: {name!r} has {count:,} parameters ({count * FLOAT_BYTES / 2**30:.1f} GiB "
+            f"as float32), more than this machine's memory ({memory_bytes() / 2**30:.1f} GiB)"
+        )
     try:
         model = factory(tuple(input_shape), n_classes, **options)
     except TypeError as exc:
         raise ConfigError(f"model: bad options {options} for {name!r}: {exc}") from exc
+    except (MemoryError, RuntimeError) as exc:  # e.g. "DefaultCPUAllocator: can't allocate"
+        size = "" if count is None else f" with {count:,} parameters"
+        raise ConfigError(f"model: {name!r}{size} cannot be allocated: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name: {name!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -42,10 +43,11 @@ from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.device import resolve_device
+from fedcluster.engine.robust import Aggregator
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.metrics import accuracy_columns, cluster_columns
-from fedcluster.models import build_model
+from fedcluster.models import build_model, check_rows_fit
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rng import numpy_rng
 from fedcluster.rundir import JobResult, RunDirectory, load_checkpoint, run_directory_callbacks
@@ -99,6 +101,12 @@ def select_clients(
     p = config.participation
     if p.fraction is None and p.count is None:
         return candidates
+    if p.count is not None and p.count > n_clients:  # once per message (warnings' default)
+        warnings.warn(
+            f"participation.count {p.count} is above the number of clients {n_clients}; "
+            f"every available client takes part",
+            stacklevel=2,
+        )
     k = p.count if p.count is not None else max(1, round(p.fraction * len(candidates)))
     k = min(k, len(candidates))
     return np.sort(numpy_rng(seed, "participation", rnd).choice(candidates, k, replace=False))
@@ -149,7 +157,9 @@ class Experiment:
     def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
             return self._model
-        return model_for(self.config, federation)
+        model = model_for(self.config, federation)
+        check_rows_fit(self.config.model.name, model, rows=federation.n_clients + 1)
+        return model
 
     def run(
         self,
@@ -252,6 +262,7 @@ class Job:
             UpdateBound(**cfg.rejection.model_dump()),
         )
         ctx.model_choice = cfg.evaluation.model_choice
+        ctx.aggregate = Aggregator(**cfg.aggregation.model_dump())
         self.channel = ctx.channel
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send

@@ -128,7 +128,8 @@ class Scenario:
         """The faulty clients' upload transform, or ``None`` without faulty clients."""
         if not (self.fault >= 0).any():
             return None
-        return FaultyUploads(self.fault, self.config.faulty.scale)
+        faulty = self.config.faulty
+        return FaultyUploads(self.fault, faulty.scale, faulty.scaled_factor, faulty.flip_factor)
 
     def _drift_events(self, index: int, entry: DriftConfig, rounds: int) -> list[DriftEvent]:
         if entry.rounds:
@@ -204,13 +205,23 @@ class FaultyUploads:
     """An :data:`~fedcluster.algorithms.base.UploadTransform`: faulty clients corrupt uploads.
 
     ``nan`` / ``inf``: the whole uploaded model is NaN / +Inf; ``huge``: the
-    update is multiplied by ``scale`` (w_start + scale·(w − w_start)).
-    Sound clients' rows pass unchanged.
+    update is multiplied by ``scale`` (w_start + scale·(w − w_start));
+    ``scaled``: the update multiplied by ``scaled_factor`` (finite and, at
+    e.g. 10, under the server's norm bound: a boosted update); ``sign_flip``:
+    the update multiplied by −``flip_factor`` (the sign-flipping attack of
+    the Byzantine-robustness literature). Sound clients' rows pass unchanged.
     """
 
-    def __init__(self, fault: np.ndarray, scale: float) -> None:
+    def __init__(
+        self,
+        fault: np.ndarray,
+        scale: float,
+        scaled_factor: float = 10.0,
+        flip_factor: float = 1.0,
+    ) -> None:
         self.fault = fault
         self.scale = scale
+        self.factors = {"huge": scale, "scaled": scaled_factor, "sign_flip": -flip_factor}
 
     def __call__(
         self, clients: np.ndarray, start: torch.Tensor, trained: torch.Tensor, rnd: int
@@ -221,6 +232,7 @@ class FaultyUploads:
         out = trained.clone()
         out[torch.as_tensor(fault == FAULTS.index("nan"))] = float("nan")
         out[torch.as_tensor(fault == FAULTS.index("inf"))] = float("inf")
-        huge = torch.as_tensor(fault == FAULTS.index("huge"))
-        out[huge] = start[huge] + self.scale * (trained[huge] - start[huge])
+        for kind, factor in self.factors.items():
+            hit = torch.as_tensor(fault == FAULTS.index(kind))
+            out[hit] = start[hit] + factor * (trained[hit] - start[hit])
         return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.engine.flat import weighted_average
+from fedcluster.engine.robust import MEAN, Aggregator
 
 
 def cluster_average(
@@ -22,19 +22,25 @@ def cluster_average(
     labels: np.ndarray,
     previous: torch.Tensor,
     weights: np.ndarray | None = None,
+    aggregate: Aggregator = MEAN,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-cluster (weighted) mean of ``rows`` [n, d] grouped by ``labels`` [n].
 
     Returns a copy of ``previous`` [K, d] in which every cluster holding at
     least one row is replaced by the mean of its rows (uniform, or weighted by
     ``weights`` [n], e.g. sample counts); clusters without rows keep their
-    previous row.
+    previous row. ``aggregate`` (the run's rule, :mod:`fedcluster.engine.robust`)
+    may replace the mean by a robust rule; the members' updates are measured
+    from ``start`` [n, d] (the models they trained from), by default from the
+    cluster's previous row.
     """
     out = previous.clone()
     w = torch.ones(len(labels)) if weights is None else torch.as_tensor(weights)
     for c in np.unique(labels):
         members = torch.as_tensor(labels == c)
-        out[int(c)] = weighted_average(rows[members], w[members])
+        base = previous[int(c)] if start is None else start[members]
+        out[int(c)] = aggregate(base, rows[members], w[members])
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -38,6 +38,7 @@ from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.client_computations import EVALUATE, TRAIN
 from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.engine.results import EvalResult
+from fedcluster.engine.robust import Aggregator
 from fedcluster.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -135,6 +136,9 @@ class Context:
     init_row: torch.Tensor
     model_choice: str = "assigned"
     """Test protocol (:mod:`fedcluster.algorithms.evaluation`): ``assigned`` or ``own_loss``."""
+    aggregate: Aggregator = field(default_factory=Aggregator)
+    """The rule by which every algorithm averages client models (plain mean by default;
+    :mod:`fedcluster.engine.robust`), per cluster where there are clusters."""
 
     @classmethod
     def for_backend(

@@ -215,7 +215,7 @@ class CFL(Algorithm):
         state.update_norms = np.array(norms)
         self._observe(state, rnd, flags, eps, alphas)
         labels = self.clusters(state)[selected]
-        state.models = cluster_average(ex.rows, labels, torch.stack(models), sizes)
+        state.models = cluster_average(ex.rows, labels, torch.stack(models), sizes, ctx.aggregate)
         return weighted_loss(ex.loss, sizes)
 
     def _split(

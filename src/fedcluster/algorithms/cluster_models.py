@@ -177,7 +177,7 @@ class ClusterModelAlgorithm(Algorithm):
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
         old = state.models
-        new = cluster_average(ex.rows, choice, state.models, weights)
+        new = cluster_average(ex.rows, choice, state.models, weights, ctx.aggregate)
         state.delta = new - state.models
         state.models = new
         state.assign[ex.clients] = choice

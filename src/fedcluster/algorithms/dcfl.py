@@ -140,7 +140,9 @@ class DCFL(Algorithm):
             )
             previous = self._recluster(state, selected, labels)
             state.reclusterings += 1
-        state.models = cluster_average(ex.rows, labels, previous)
+        state.models = cluster_average(
+            ex.rows, labels, previous, aggregate=ctx.aggregate, start=start
+        )
         return weighted_loss(ex.loss, ctx.train_sizes[selected])
 
     def _recluster(self, state: State, selected: np.ndarray, labels: np.ndarray) -> torch.Tensor:

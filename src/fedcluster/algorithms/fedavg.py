@@ -35,7 +35,6 @@ from fedcluster.algorithms.base import (
 )
 from fedcluster.engine.client_computations import TRAIN
 from fedcluster.engine.computation import Request
-from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.results import EvalResult
 
 
@@ -73,7 +72,7 @@ class FedAvg(Algorithm):
         ex = ctx.exchange(selected, state.global_model, rnd, ctx.local(mu=self.params.mu), ints=1)
         if len(ex.clients):
             sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
-            state.global_model = weighted_average(ex.rows, sizes)
+            state.global_model = ctx.aggregate(state.global_model, ex.rows, sizes)
         return ex
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:

@@ -173,7 +173,7 @@ class FedGroup(Algorithm):
         if not len(ex.clients):
             return float("nan")
         sizes = ctx.train_sizes[ex.clients]
-        models = cluster_average(ex.rows, groups[ex.keep], state.models, sizes)
+        models = cluster_average(ex.rows, groups[ex.keep], state.models, sizes, ctx.aggregate)
         if self.params.eta_g > 0.0:
             models = inter_group_aggregation(models, self.params.eta_g)
         state.models = models
@@ -232,7 +232,9 @@ class FedGroup(Algorithm):
         else:
             labels = group_labels(ex.rows, p.n_groups, p.measure, int(rng.integers(2**31)))
         w0 = ctx.init_row.unsqueeze(0)
-        state.models = cluster_average(ex.rows + w0, labels, w0.repeat(p.n_groups, 1))
+        state.models = cluster_average(
+            ex.rows + w0, labels, w0.repeat(p.n_groups, 1), aggregate=ctx.aggregate
+        )
         state.directions = state.models - w0
         state.assign[ex.clients] = labels
         state.grouped = True

@@ -146,7 +146,7 @@ class FeSEM(Algorithm):
             to_centres = pair[:m, seeds]
         choice = to_centres.argmin(axis=1)
         weights = sizes if p.weighting == "samples" else np.ones(m)
-        state.centres = cluster_average(local, choice, state.centres, weights)
+        state.centres = cluster_average(local, choice, state.centres, weights, ctx.aggregate)
         state.assign[selected] = choice
         return weighted_loss(ex.loss, sizes)
 

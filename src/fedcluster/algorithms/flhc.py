@@ -106,7 +106,7 @@ class FLHC(OneShotClustering):
         )
         found = labels[ex.clients]
         state.mean_updates = cluster_average(
-            updates, found, torch.zeros(int(found.max()) + 1, ctx.dim)
+            updates, found, torch.zeros(int(found.max()) + 1, ctx.dim), aggregate=ctx.aggregate
         )
         return labels, loss
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedcluster.data.integrity import warn_if_modified
 from fedcluster.errors import DataError
 
 # IDX type code -> big-endian NumPy dtype.
@@ -62,6 +63,8 @@ def read_idx(path: Path, ndim: int) -> np.ndarray:
         DataError: the file is missing, not valid gzip, has a wrong magic number or
             number of dimensions, or its payload size disagrees with its header.
     """
+    if path.is_file():
+        warn_if_modified(path)  # a known dataset file with an unpinned digest: one warning
     data = _read_bytes(path)
     if len(data) < 4:
         raise DataError(f"{path}: {len(data)} bytes, too short for an IDX header")

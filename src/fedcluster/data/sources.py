@@ -33,6 +33,7 @@ import torch
 from fedcluster.data import cifar
 from fedcluster.data.download import EMNIST_OFFICIAL_URL, ENV_MIRROR, download_dataset
 from fedcluster.data.idx import find_idx_file, read_images_and_labels
+from fedcluster.data.integrity import warn_if_modified
 from fedcluster.data.leaf import LEAF_FOLDERS, load_leaf, missing_leaf_files
 from fedcluster.data.synthetic import synthetic_federation
 from fedcluster.errors import ConfigError, DataError
@@ -203,6 +204,8 @@ def _emnist(split: str) -> Callable[..., Dataset]:
 
 def _cifar10(name: str, root: Path, seed: int, options: dict[str, Any]) -> Dataset:
     _no_options(name, options)
+    for archive in (root / "cifar10").glob("*"):  # the pinned archives warn if they differ
+        warn_if_modified(archive)
     arrays = cifar.load_cifar10(root / "cifar10", user_cache_dir() / "decoded")
     test = None
     if arrays.test_x is not None:

@@ -1,0 +1,134 @@
+"""Faulty clients against plain and robust aggregation (issue 13, docs/reliability.md).
+
+The main job's federation (the quickstart preset: 5,000 MNIST digits, 24
+clients in 4 rotation groups, MLP 200-100), with a share of faulty clients
+whose uploads are corrupted (:class:`fedcluster.scenario.FaultyUploads`), for
+FedAvg, IFCA, JGL, CFLGT, DCFL and FedGroup, under the plain weighted average
+(``aggregation.rule: mean``, the papers' rule) and the robust rules
+(:mod:`fedcluster.engine.robust`). Reports the final test accuracy (mean over
+seeds) per algorithm, setting and rule.
+
+    python -m benchmarks.reliability --seeds 3 --rounds 20 --out runs/reliability
+
+``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated).
+Accuracy is deterministic (same config + seed = same numbers), so the
+machine's load does not change the table, only how long it takes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import parser, run_setting, save_json
+from fedcluster.report import format_table
+
+# name -> scenario.faulty section (share of the 24 clients and their faults)
+SETTINGS: dict[str, dict] = {  # in the order they run: the goals' settings first
+    "none": {"share": 0.0},
+    "scaled-25": {"share": 0.25, "kinds": ["scaled"], "scaled_factor": 10.0},
+    "flip-25": {"share": 0.25, "kinds": ["sign_flip"], "flip_factor": 1.0},
+    "huge-60": {"share": 0.6, "kinds": ["huge"], "scale": 1e6},
+    "flip5-40": {"share": 0.4, "kinds": ["sign_flip"], "flip_factor": 5.0},
+    "nan-inf-25": {"share": 0.25, "kinds": ["nan", "inf"]},
+    "huge-25": {"share": 0.25, "kinds": ["huge"], "scale": 1e6},
+}
+
+ALGORITHMS: dict[str, str] = {
+    "fedavg": "{name: fedavg}",
+    "ifca": "{name: ifca, params: {n_clusters: 4}}",
+    "jgl": "{name: jgl, params: {n_clusters: 4, lam: 0.2}}",
+    "cflgt": "{name: cflgt, params: {pretrain_rounds: 5}}",
+    "dcfl": "{name: dcfl}",
+    "fedgroup": "{name: fedgroup, params: {n_groups: 4}}",
+}
+
+RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
+
+
+def final_accuracy(job: dict) -> float:
+    """The last evaluated round's test accuracy of a job (NaN if it never evaluated)."""
+    acc = job["final_accuracy"]
+    return math.nan if acc is None else float(acc)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--rules", default="mean,clipped_mean")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--trim", type=float, default=0.25, help="trimmed_mean: share cut per side")
+    p.add_argument(
+        "--clip-quantile", type=float, default=0.25, help="clipped_mean: norm quantile clipped to"
+    )
+    p.set_defaults(seeds=3, rounds=10, out="runs/reliability")
+    p.add_argument("--report", action="store_true", help="print the table of results.json only")
+    args = p.parse_args()
+    settings, rules, algs = (s.split(",") for s in (args.settings, args.rules, args.algorithms))
+    for given, known in ((settings, SETTINGS), (rules, RULES), (algs, ALGORITHMS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            p.error(f"unknown {unknown}; choose from {list(known)}")
+    out = Path(args.out)
+    results_path = out / "results.json"
+    # results[setting/rule][algorithm][seed] = final accuracy; seeds outermost, so a
+    # benchmark stopped early holds whole tables for its first seeds (and resumes from them)
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    algorithms = "algorithms=[" + ", ".join(ALGORITHMS[a] for a in algs) + "]"
+    for seed in [] if args.report else range(args.first_seed, args.first_seed + args.seeds):
+        for setting in settings:
+            for rule in rules:
+                key = f"{setting}/{rule}"
+                done = results.setdefault(key, {})
+                if all(str(seed) in done.get(a, {}) for a in algs):
+                    continue
+                sets = [
+                    algorithms,
+                    f"scenario.faulty={json.dumps(SETTINGS[setting])}",
+                    f"aggregation={{rule: {rule}, trim: {args.trim}, "
+                    f"clip_quantile: {args.clip_quantile}}}",
+                    "checkpoint_every=1000",
+                    "eval_every=1000",  # the final round only: the table reports nothing else
+                ]
+                where = out / f"seed{seed}" / setting / rule
+                jobs = run_setting(
+                    "quickstart", sets, 1, where, args.data_dir, args.rounds, first_seed=seed
+                )
+                for j in jobs:
+                    done.setdefault(j["algorithm"], {})[str(seed)] = final_accuracy(j)
+                save_json(results_path, results)
+                print(f"seed {seed} {key}", {j["algorithm"]: j["final_accuracy"] for j in jobs})
+    print(format_table(table(results, settings, rules, algs)))
+
+
+def table(results: dict, settings: list[str], rules: list[str], algs: list[str]) -> list[dict]:
+    """Rows (algorithm, setting): accuracy in % (mean over the seeds measured) per rule.
+
+    ``fault-free`` is the plain average without faulty clients, the yardstick of the goals.
+    """
+
+    def mean(key: str, alg: str) -> tuple[str, int]:
+        # only seeds with a fault-free baseline: every cell of a row averages the same seeds
+        base = results.get("none/mean", {}).get(alg, {})
+        accs = [v for k, v in results.get(key, {}).get(alg, {}).items() if k in base]
+        return (f"{100 * np.mean(accs):.1f}" if accs else "-"), len(accs)
+
+    rows = []
+    for alg in algs:
+        clean, _ = mean("none/mean", alg)
+        for setting in settings:
+            row: dict[str, str] = {"algorithm": alg, "setting": setting, "fault-free": clean}
+            seeds = []
+            for rule in rules:
+                row[rule], n = mean(f"{setting}/{rule}", alg)
+                seeds.append(n)
+            row["seeds"] = str(min(seeds))
+            rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Robust aggregation (Yin et al. ICML 2018; norm clipping) and the faults that call for it.
+
+The rules are checked against independent computations (numpy's median,
+scipy's trimmed mean, a hand-made clipping in float64); the wiring against
+every algorithm that averages models (each must aggregate through
+``Context.aggregate``), and the new faults against their definitions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from fedcluster.algorithms import ALGORITHMS
+from fedcluster.algorithms.aggregation import cluster_average
+from fedcluster.config import ConfigError, resolve_config
+from fedcluster.engine.flat import weighted_average
+from fedcluster.engine.robust import (
+    Aggregator,
+    aggregate,
+    clipped_mean,
+    coordinate_median,
+    trimmed_mean,
+)
+from fedcluster.scenario import FAULTS, FaultyUploads
+from tests.helpers import make_context, rotated_digits
+from tests.algorithms.test_rejection import PARAMS
+
+
+def _rows(n: int, d: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.as_tensor(np.random.default_rng(seed).normal(size=(n, d)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6])
+def test_median_is_numpy_median_per_coordinate(n):
+    rows = _rows(n)
+    weights = torch.arange(1.0, n + 1)  # ignored: one client, one vote
+    got = coordinate_median(rows[0], rows, weights)
+    np.testing.assert_array_equal(got.numpy(), np.median(rows.numpy(), axis=0))
+
+
+@pytest.mark.parametrize(("n", "trim"), [(10, 0.1), (10, 0.25), (7, 0.2), (4, 0.1), (9, 0.4)])
+def test_trimmed_mean_equals_scipy_with_equal_weights(n, trim):
+    rows = _rows(n, seed=n)
+    got = trimmed_mean(rows[0], rows, torch.ones(n), trim)
+    want = stats.trim_mean(rows.numpy(), trim, axis=0)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_trimmed_mean_keeps_each_values_weight():
+    # One coordinate, trim 1 of 4 per side: 1 and 100 go, 2 (weight 1) and 3 (weight 3) stay.
+    rows = torch.tensor([[3.0], [100.0], [1.0], [2.0]], dtype=torch.float64)
+    weights = torch.tensor([3.0, 5.0, 7.0, 1.0])
+    got = trimmed_mean(rows[0], rows, weights, 0.25)
+    assert got.item() == pytest.approx((3 * 3.0 + 1 * 2.0) / 4)
+
+
+def test_clipping_leaves_updates_below_the_scale_untouched():
+    start = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    directions = _rows(5, d=3, seed=3)
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    norms = np.array([1.0, 2.0, 3.0, 4.0, 50.0])
+    updates = directions * torch.as_tensor(norms).unsqueeze(1)
+    weights = torch.tensor([1.0, 2.0, 1.0, 3.0, 1.0])
+    got = clipped_mean(start, start + updates, weights, quantile=0.5)
+    # Hand computation: the median norm is 3; the first three pass, the others shrink to norm 3.
+    clipped = updates.numpy() * np.minimum(1.0, 3.0 / norms)[:, None]
+    want = start.numpy() + (weights.numpy()[:, None] * clipped).sum(0) / weights.numpy().sum()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
+    assert np.allclose(clipped[:3], updates.numpy()[:3])
+
+
+def test_clipping_measures_updates_from_each_rows_start():
+    starts = _rows(4, d=3, seed=5)
+    updates = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 9]], dtype=torch.float64)
+    got = clipped_mean(starts, starts + updates, torch.ones(4), quantile=0.5)
+    want = (starts + updates * torch.tensor([1.0, 1, 1, 1 / 9]).unsqueeze(1)).mean(0)
+    torch.testing.assert_close(got, want)
+
+
+def test_mean_rule_is_the_plain_weighted_average_bit_for_bit():
+    rows = _rows(6).float()
+    weights = torch.tensor([5, 1, 2, 8, 3, 4])
+    assert torch.equal(aggregate(rows[0], rows, weights), weighted_average(rows, weights))
+    assert torch.equal(Aggregator()(rows[0], rows, None), weighted_average(rows, torch.ones(6)))
+
+
+def test_cluster_average_applies_the_rule_per_cluster():
+    rows = _rows(7)
+    labels = np.array([0, 1, 0, 1, 0, 1, 1])
+    previous = torch.zeros(3, rows.shape[1], dtype=rows.dtype)
+    out = cluster_average(rows, labels, previous, aggregate=Aggregator("median"))
+    for c in (0, 1):
+        np.testing.assert_array_equal(out[c].numpy(), np.median(rows[labels == c].numpy(), axis=0))
+    assert torch.equal(out[2], previous[2])  # no members: unchanged
+
+
+def test_a_scaled_minority_cannot_move_the_robust_average():
+    """25% of updates ×10 (finite, plausible): the plain mean moves, the robust rules barely."""
+    rng = np.random.default_rng(1)
+    honest = torch.as_tensor(1.0 + 0.1 * rng.normal(size=(12, 50)))  # updates near (1, ..., 1)
+    rows = honest.clone()
+    rows[:3] *= 10.0
+    start = torch.zeros(50, dtype=rows.dtype)
+    truth = honest.mean(0)
+    plain = aggregate(start, rows, None)
+    assert (plain - truth).norm() > 2.0 * truth.norm()
+    for rule in ("median", "trimmed_mean", "clipped_mean"):
+        robust = aggregate(start, rows, None, Aggregator(rule, trim=0.25))
+        assert (robust - truth).norm() < 0.1 * truth.norm(), rule
+
+
+def test_config_section_and_unknown_rule():
+    cfg = resolve_config(None, "quickstart", ["aggregation.rule=clipped_mean"], {})
+    assert cfg.aggregation.aggregator() == Aggregator("clipped_mean", 0.1, 0.25)
+    assert resolve_config(None, "quickstart", [], {}).aggregation.aggregator() == Aggregator()
+    with pytest.raises(ConfigError, match="aggregation.rule"):
+        resolve_config(None, "quickstart", ["aggregation.rule=mode"], {})
+
+
+@pytest.fixture(scope="module")
+def federation():
+    return rotated_digits(n_groups=2, clients_per_group=4, per_client=40)
+
+
+class Spy:
+    """An aggregator that records its calls and delegates to the median rule."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, start, rows, weights=None):
+        self.calls += 1
+        return aggregate(start, rows, weights, Aggregator("median"))
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_every_averaging_algorithm_aggregates_through_the_context(federation, name):
+    cls = ALGORITHMS[name]
+    ctx = make_context(federation, hidden=[16])
+    ctx.aggregate = Spy()
+    alg = cls(cls.Params(**PARAMS[name]), ctx)
+    state = alg.init_state()
+    for rnd in (1, 2, 3):
+        alg.run_round(state, rnd, np.arange(8))
+    assert ctx.aggregate.calls > 0
+    rows, _ = alg.eval_rows(state)
+    assert torch.isfinite(rows).all()
+
+
+def test_scaled_and_sign_flipped_uploads():
+    start = torch.tensor([[1.0, 1.0]] * 4)
+    trained = torch.tensor([[2.0, 0.0], [3.0, 1.0], [1.0, 5.0], [0.0, 0.0]])
+    fault = np.array([-1, FAULTS.index("scaled"), FAULTS.index("sign_flip"), FAULTS.index("huge")])
+    out = FaultyUploads(fault, scale=100.0, scaled_factor=10.0, flip_factor=5.0)(
+        np.arange(4), start, trained, 1
+    )
+    want = torch.tensor([[2.0, 0.0], [21.0, 1.0], [1.0, -19.0], [-99.0, -99.0]])
+    assert torch.equal(out, want)
+
+
+def test_the_quartile_scale_survives_a_majority_of_huge_updates():
+    """60% of updates ×1e6: the median norm is theirs, the lower quartile still an honest one."""
+    rng = np.random.default_rng(2)
+    honest = torch.as_tensor(1.0 + 0.1 * rng.normal(size=(10, 50)))
+    rows = torch.cat([honest, 1e6 * torch.as_tensor(1.0 + 0.1 * rng.normal(size=(15, 50)))])
+    start = torch.zeros(50, dtype=rows.dtype)
+    truth = honest.mean(0)
+    quartile = aggregate(start, rows, None, Aggregator("clipped_mean", clip_quantile=0.25))
+    assert (quartile - truth).norm() < 0.1 * truth.norm()
+    median_scale = aggregate(start, rows, None, Aggregator("clipped_mean", clip_quantile=0.5))
+    assert (median_scale - truth).norm() > 1e3 * truth.norm()

@@ -1,0 +1,88 @@
+"""Bad input of the classes issue 13 found ending in tracebacks or silent nonsense.
+
+Each case goes through the CLI: exit code 2, one ``fedcluster: error:`` line
+naming the file or key, no traceback, and no run directory left behind.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from fedcluster.cli import main
+from fedcluster.config import MAX_ROUNDS, resolve_config
+from fedcluster.runner import select_clients
+from tests.helpers import TINY_RUN_SETS
+
+TINY = ["--quiet", "--rounds", "1", *TINY_RUN_SETS]
+
+
+def _directory(tmp_path):
+    (tmp_path / "cfg").mkdir()
+    return [str(tmp_path / "cfg")], "is a directory"
+
+
+def _empty(tmp_path):
+    (tmp_path / "empty.yaml").write_text("\n# nothing here\n")
+    return [str(tmp_path / "empty.yaml")], "is empty"
+
+
+def _out_is_a_file(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    return ["--out", str(tmp_path / "taken")], "is an existing file"
+
+
+def _huge_model(tmp_path):
+    return ["--set", "model.options.hidden=[1000000, 1000000]"], "parameters"
+
+
+def _infinite_epsilon(tmp_path):
+    return ["--set", "privacy={mode: client, epsilon: .inf}"], "privacy.epsilon"
+
+
+def _absurd_rounds(tmp_path):
+    return ["--rounds", "1000000000000"], "rounds"
+
+
+def _nan_lr(tmp_path):
+    return ["--set", "train.lr=.nan"], "train.lr"
+
+
+CASES = {
+    "config-is-a-directory": _directory,
+    "empty-config": _empty,
+    "out-is-a-file": _out_is_a_file,
+    "model-too-large": _huge_model,
+    "epsilon-inf": _infinite_epsilon,
+    "absurd-rounds": _absurd_rounds,
+    "nan-learning-rate": _nan_lr,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
+    extra, named = CASES[case](tmp_path)
+    out = ["--out", str(tmp_path / "run")] if "--out" not in extra else []
+    assert main(["run", *TINY, *out, *extra]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("fedcluster: error:")]
+    assert len(errors) == 1, err
+    assert named in errors[0] and err.rstrip().endswith(errors[0])  # nothing after the line
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # a run that never started leaves nothing
+
+
+def test_round_bound_is_explicit():
+    assert resolve_config(None, None, [], {"rounds": MAX_ROUNDS}).rounds == MAX_ROUNDS
+
+
+def test_participation_count_above_the_clients_warns_with_both_numbers():
+    cfg = resolve_config(None, None, ["participation.count=30"], {})
+    with pytest.warns(UserWarning, match=r"participation.count 30 .* clients 24"):
+        chosen = select_clients(24, cfg, seed=0, rnd=1)
+    assert chosen.tolist() == list(range(24))
+    cfg = resolve_config(None, None, ["participation.count=5"], {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning when the count fits
+        assert len(select_clients(24, cfg, seed=0, rnd=1)) == 5
