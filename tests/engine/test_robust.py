@@ -25,8 +25,8 @@ from fedcluster.engine.robust import (
     trimmed_mean,
 )
 from fedcluster.scenario import FAULTS, FaultyUploads
-from tests.helpers import make_context, rotated_digits
 from tests.algorithms.test_rejection import PARAMS
+from tests.helpers import make_context, rotated_digits
 
 
 def _rows(n: int, d: int = 7, seed: int = 0) -> torch.Tensor:
