@@ -114,8 +114,9 @@ def test_a_scaled_minority_cannot_move_the_robust_average():
 
 def test_config_section_and_unknown_rule():
     cfg = resolve_config(None, "quickstart", ["aggregation.rule=clipped_mean"], {})
-    assert cfg.aggregation.aggregator() == Aggregator("clipped_mean", 0.1, 0.25)
-    assert resolve_config(None, "quickstart", [], {}).aggregation.aggregator() == Aggregator()
+    assert Aggregator(**cfg.aggregation.model_dump()) == Aggregator("clipped_mean", 0.1, 0.25)
+    default = resolve_config(None, "quickstart", [], {}).aggregation
+    assert Aggregator(**default.model_dump()) == Aggregator()
     with pytest.raises(ConfigError, match="aggregation.rule"):
         resolve_config(None, "quickstart", ["aggregation.rule=mode"], {})
 

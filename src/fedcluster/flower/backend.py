@@ -36,6 +36,7 @@ from fedcluster.engine.computation import (
 )
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.flower import protocol
+from fedcluster.flower.collect import collect
 
 
 class FlowerClientError(RuntimeError):
@@ -120,8 +121,10 @@ class FlowerBackend(ClientClock):
         experiment: str,
         seed: int,
         timeout: float | None = None,
+        min_replies: float = 1.0,
     ) -> None:
         self.grid = grid
+        self.min_replies = min_replies
         self.model = model
         self.layout = ParamLayout(model)
         self.federation = federation
@@ -136,9 +139,11 @@ class FlowerBackend(ClientClock):
         """One message per client to the node that holds it; the replies checked
         against the computation's declared reply (:func:`assemble`).
 
-        A node that fails (its error) or does not answer within the timeout is
-        reported as failed, not raised: the channel treats it like the
-        simulator's failing clients.
+        A node that fails (its error travels back) or does not answer within
+        ``timeout`` (``deployment.round_timeout``) is reported as failed: the
+        channel treats it like the simulator's failing clients. Fewer replies
+        than ``min_replies`` (a fraction of those asked) end the run with one
+        line naming the clients and their errors (:func:`~fedcluster.flower.collect.collect`).
         """
         clients = np.asarray(clients, dtype=np.int64)
         base = {
@@ -162,10 +167,19 @@ class FlowerBackend(ClientClock):
                     message_type=protocol.message_type(computation.name),
                 )
             )
+        keys = list(range(len(messages)))
         with self.timed():
-            answers = _collect(self.grid, messages, self.timeout)
+            got = collect(
+                self.grid,
+                messages,
+                keys,
+                self.timeout,
+                self.min_replies,
+                what=f"{computation.name} (clients {', '.join(map(str, clients))})",
+            )
         replies: list[Payload | str | None] = [
-            a if a is None or isinstance(a, str) else protocol.tensors(a.content) for a in answers
+            protocol.tensors(got.replies[i].content) if i in got.replies else got.failures[i]
+            for i in keys
         ]
         return assemble(computation, request, replies)
 

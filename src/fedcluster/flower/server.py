@@ -51,7 +51,8 @@ class FlowerBackends:
     def __init__(self, config: ExperimentConfig, grid: Grid, timeout: float | None = None):
         check_supported(config)
         self.grid = grid
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else config.deployment.round_timeout
+        self.min_replies = config.deployment.min_replies
         self._text = dump_config(config)
         self._nodes: dict[int, dict[int, int]] = {}
 
@@ -62,7 +63,14 @@ class FlowerBackends:
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> FlowerBackend:
         assert isinstance(federation, FederationInfo)
         return FlowerBackend(
-            self.grid, model, federation, self._nodes[seed], self._text, seed, self.timeout
+            self.grid,
+            model,
+            federation,
+            self._nodes[seed],
+            self._text,
+            seed,
+            self.timeout,
+            self.min_replies,
         )
 
 
