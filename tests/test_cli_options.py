@@ -157,7 +157,9 @@ def test_list_algorithms_shows_paper_and_params(capsys):
 
 
 def test_every_registered_entry_is_described():
-    assert set(DESCRIBED) == set(ALGORITHMS)
+    # algorithms that ship with fedcluster (tests may register their own)
+    shipped = {n for n, cls in ALGORITHMS.items() if cls.__module__.startswith("fedcluster.")}
+    assert set(DESCRIBED) == shipped
     for title, items in sections().items():
         for name, text, _ in items:
             assert text and text != "(no description)", f"{title}: {name}"

@@ -109,6 +109,12 @@ def preset_description(name: str) -> str:
     return text if len(text) <= 150 else text[:149].rstrip() + "…"
 
 
+def _first_line(cls: type) -> str:
+    """A registered class of a user's: the first line of its docstring."""
+    doc = (cls.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else "(no description)"
+
+
 def sections() -> dict[str, list[tuple[str, str, list[str]]]]:
     """Section -> ``(name, description, detail lines)`` for every registered entry."""
     from fedcluster.algorithms import ALGORITHMS as REGISTERED
@@ -123,7 +129,7 @@ def sections() -> dict[str, list[tuple[str, str, list[str]]]]:
 
     return {
         "algorithms": [
-            (n, describe(ALGORITHMS, n), params_lines(REGISTERED[n].Params))
+            (n, ALGORITHMS.get(n) or _first_line(REGISTERED[n]), params_lines(REGISTERED[n].Params))
             for n in sorted(REGISTERED)
         ],
         "datasets": [(n, describe(DATASETS, n), []) for n in list_datasets()],
