@@ -1,16 +1,14 @@
 """What the Flower ServerApp and ClientApp say to each other (Flower's Message API).
 
-Every client computation of :class:`~fedcluster.engine.simulator.Simulator`
-that an algorithm calls is one message type; a request carries the tensors
-the client needs (``"arrays"``, an ``ArrayRecord``) and the settings
-(``"config"``, a ``ConfigRecord``), the reply carries the result tensors:
-
-- ``query.setup``: nothing -> the client's id, sample counts, group, data shape;
-- ``train``: ``start`` [d] -> ``row`` [d], ``loss``, ``steps`` (local SGD);
-- ``query.losses``: ``models`` [K, d] -> ``losses`` [K] and ``grads`` [K, d];
-- ``query.products``: ``models``, ``directions`` [K, d] -> ``losses``, ``sq``, ``dot`` [K];
-- ``query.trajectory``: ``start`` [d] -> ``trajectory`` [C, 2] (CFLGT);
-- ``evaluate``: ``model`` [d] -> ``correct``, ``count``, ``loss_sum``.
+Every registered client computation (:mod:`fedcluster.engine.computation`)
+travels the same way: message type ``train``, ``evaluate`` or ``query`` (the
+others), the computation's name and module in the settings; the request
+carries the client's tensors (``"arrays"``: ``shared/<name>`` and
+``own/<name>``, an ``ArrayRecord``) and settings (``"config"``, a
+``ConfigRecord``: a :class:`LocalTraining` and a release rule flattened under
+their key), the reply the computation's declared reply fields. Besides them,
+``query.setup`` asks a node for its client's id, sample counts, group and data
+shape.
 
 Every request's config names the experiment (its YAML text and seed), so a
 node can build its data and model from it (and cache them), plus the round
@@ -20,9 +18,9 @@ a node computes exactly what the simulator computes for that client.
 Under local differential privacy the noise is drawn on the node: a
 ``train`` request carries the client's DP-SGD settings (record level: C, σ_i,
 its release counter) and, for an upload, its release rule
-(:class:`~fedcluster.privacy.UploadTicket`: client level clips and noises
-the update on the node; either level withholds an upload its budget does
-not allow). The server keeps the ledger.
+(:class:`~fedcluster.dp.UploadTicket`: client level clips and noises the
+upload on the node; either level withholds an upload its budget does not
+allow). The server keeps the ledger.
 """
 
 from __future__ import annotations
