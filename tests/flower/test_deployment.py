@@ -237,16 +237,22 @@ def test_ctrl_c_stops_every_process(tmp_path):
     import sys
 
     config = tmp_path / "c.yaml"
-    config.write_text(json.dumps(_config([{"name": "fedavg"}], rounds=3).model_dump(mode="json")))
+    # long enough that the run is still going when the signal comes, on any machine
+    config.write_text(json.dumps(_config([{"name": "fedavg"}], rounds=500).model_dump(mode="json")))
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cli = [sys.executable, "-m", "fedcluster.cli", "flower", "local", str(config)]
     proc = subprocess.Popen([*cli, "--nodes", str(N_CLIENTS), "--out", str(run)], env=env)
     nodes_json = run / "deployment/nodes.json"
     end = time.monotonic() + 300
-    while not nodes_json.exists() and time.monotonic() < end and proc.poll() is None:
-        time.sleep(0.2)
-    time.sleep(2)  # the JSON is complete and `flwr run` is starting
+    metrics = run / "metrics.csv"
+
+    def rounds_done() -> int:
+        return len(metrics.read_text().splitlines()) - 1 if metrics.exists() else 0
+
+    while rounds_done() < 1 and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.2)  # the nodes are up and the ServerApp is running rounds
+    assert proc.poll() is None, "the deployment ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) != 0
     nodes = json.loads(nodes_json.read_text())
