@@ -242,7 +242,13 @@ def test_ctrl_c_stops_every_process(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cli = [sys.executable, "-m", "fedcluster.cli", "flower", "local", str(config)]
-    proc = subprocess.Popen([*cli, "--nodes", str(N_CLIENTS), "--out", str(run)], env=env)
+    proc = subprocess.Popen(
+        [*cli, "--nodes", str(N_CLIENTS), "--out", str(run)],
+        env=env,
+        # a test run started in the background inherits SIGINT ignored (POSIX shells do
+        # that to `&` jobs); a user's terminal does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     nodes_json = run / "deployment/nodes.json"
     end = time.monotonic() + 300
     metrics = run / "metrics.csv"
