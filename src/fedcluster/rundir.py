@@ -310,12 +310,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_torch_save(obj: object, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def cluster_lines(
     label: str, seed: int, rnd: int, assign: np.ndarray, groups: np.ndarray | None
 ) -> list[list[str]]:

@@ -253,7 +253,7 @@ class Channel:
         start = None
         if computation.update is not None and not measurement:
             name, start_name = computation.update
-            start = _rows_of(request, start_name, ok_pos)
+            start = request.rows(start_name, ok_pos)
             for transform in self.client_transforms:
                 fields[name] = transform(clients, start, fields[name], rnd)
         keep = np.ones(len(clients), dtype=bool) if sent is None else sent.copy()
@@ -379,10 +379,3 @@ def _subset(request: Request, positions: np.ndarray) -> Request:
         else tuple(request.own_settings[int(i)] for i in positions)
     )
     return replace(request, own=own, own_settings=own_settings)
-
-
-def _rows_of(request: Request, name: str, positions: np.ndarray) -> torch.Tensor:
-    """Rows [m, d] of request field ``name`` for the clients at ``positions``."""
-    if name in request.own:
-        return request.own[name][torch.as_tensor(positions, dtype=torch.int64)]
-    return request.shared[name].expand(len(positions), -1)

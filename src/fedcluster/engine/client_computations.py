@@ -38,13 +38,6 @@ def _model_dim(request: Request) -> tuple[int, ...]:
     return (start.shape[-1],)
 
 
-def start_rows(request: Request, n: int) -> torch.Tensor:
-    """The training start rows [n, d]: each client's own, or the shared one broadcast."""
-    if "start" in request.own:
-        return request.own["start"]
-    return request.shared["start"].expand(n, -1)
-
-
 def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
     s = request.settings
     start = request.own["start"] if "start" in request.own else request.shared["start"]
@@ -63,7 +56,7 @@ def _release_training(request: Request, reply: Payload, clients: np.ndarray, see
     """Local DP of a trained model (:func:`fedcluster.dp.release_uploads`), where the client is."""
     assert request.own_settings is not None
     tickets = [s["ticket"] for s in request.own_settings]
-    start = start_rows(request, len(clients))
+    start = request.rows("start", np.arange(len(clients)))
     rows = release_uploads(
         tickets, clients, start, reply["row"], reply["steps"], seed, request.settings["round"]
     )

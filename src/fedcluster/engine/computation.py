@@ -85,6 +85,13 @@ class Request:
             return self.settings
         return {**self.settings, **self.own_settings[i]}
 
+    def rows(self, name: str, positions: np.ndarray) -> torch.Tensor:
+        """Row field ``name`` [m, d] of the clients at ``positions`` among those asked:
+        their own rows, or the shared row broadcast."""
+        if name in self.own:
+            return self.own[name][torch.as_tensor(positions, dtype=torch.int64)]
+        return self.shared[name].expand(len(positions), -1)
+
     def bytes_down(self) -> int:
         """Bytes each client receives: its tensors that it does not already hold."""
         sources = {source for source, _ in self.pick.values()}
