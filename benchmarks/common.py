@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster.config import resolve_config
-from fedcluster.runner import Experiment, job_summary
+from fedcluster.rundir import job_summary
+from fedcluster.runner import Experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
