@@ -75,12 +75,8 @@ STEPS = {
             "madc_matrix",
         ],
     },
-    "aggregation": {
-        "fedcluster.algorithms.fedavg": ["weighted_average"],
-        "fedcluster.algorithms.cluster_models": ["cluster_average"],
-        "fedcluster.algorithms.fedgroup": ["cluster_average"],
-        "fedcluster.algorithms.dcfl": ["cluster_average"],
-    },
+    # every algorithm averages through the run's Aggregator, which calls this function
+    "aggregation": {"fedcluster.engine.robust": ["aggregate"]},
 }
 N_GROUPS, N_CLASSES, TEST_SIZE = 4, 10, 10
 

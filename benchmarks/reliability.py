@@ -5,10 +5,11 @@ clients in 4 rotation groups, MLP 200-100), with a share of faulty clients
 whose uploads are corrupted (:class:`fedcluster.scenario.FaultyUploads`), for
 FedAvg, IFCA, JGL, CFLGT, DCFL and FedGroup, under the plain weighted average
 (``aggregation.rule: mean``, the papers' rule) and the robust rules
-(:mod:`fedcluster.engine.robust`). Reports the final test accuracy (mean over
-seeds) per algorithm, setting and rule.
+(:mod:`fedcluster.engine.robust`). Reports the final test accuracy of the
+sound clients (``honest_accuracy`` in diagnostics.csv; mean over seeds) per
+algorithm, setting and rule, beside the fault-free run over the same clients.
 
-    python -m benchmarks.reliability --seeds 3 --rounds 20 --out runs/reliability
+    python -m benchmarks.reliability --seeds 3 --rounds 10 --out runs/reliability
 
 ``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated).
 Accuracy is deterministic (same config + seed = same numbers), so the
@@ -17,8 +18,8 @@ machine's load does not change the table, only how long it takes.
 
 from __future__ import annotations
 
+import csv
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +29,29 @@ from fedcluster.report import format_table
 
 # name -> scenario.faulty section (share of the 24 clients and their faults)
 SETTINGS: dict[str, dict] = {  # in the order they run: the goals' settings first
-    "none": {"share": 0.0},
     "scaled-25": {"share": 0.25, "kinds": ["scaled"], "scaled_factor": 10.0},
     "flip-25": {"share": 0.25, "kinds": ["sign_flip"], "flip_factor": 1.0},
     "huge-60": {"share": 0.6, "kinds": ["huge"], "scale": 1e6},
     "flip5-40": {"share": 0.4, "kinds": ["sign_flip"], "flip_factor": 5.0},
     "nan-inf-25": {"share": 0.25, "kinds": ["nan", "inf"]},
     "huge-25": {"share": 0.25, "kinds": ["huge"], "scale": 1e6},
+}
+
+
+def baseline(share: float) -> str:
+    """The fault-free run that marks the same clients faulty as a setting with ``share``.
+
+    Its "faulty" clients send their honest update ×1, so the run is the plain
+    one (to float rounding) and its ``honest_accuracy`` covers exactly the
+    clients the setting leaves sound (:func:`fedcluster.scenario.faulty_clients`
+    draws them from one permutation per seed).
+    """
+    return f"none-{round(100 * share)}"
+
+
+BASELINES: dict[str, dict] = {
+    baseline(share): {"share": share, "kinds": ["scaled"], "scaled_factor": 1.0}
+    for share in sorted({s["share"] for s in SETTINGS.values()})
 }
 
 ALGORITHMS: dict[str, str] = {
@@ -46,19 +63,23 @@ ALGORITHMS: dict[str, str] = {
     "fedgroup": "{name: fedgroup, params: {n_groups: 4}}",
 }
 
-RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
+RULES = ("mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean")
 
 
-def final_accuracy(job: dict) -> float:
-    """The last evaluated round's test accuracy of a job (NaN if it never evaluated)."""
-    acc = job["final_accuracy"]
-    return math.nan if acc is None else float(acc)
+def honest_accuracies(run: Path) -> dict[str, float]:
+    """Per algorithm label, the last ``honest_accuracy`` in ``run``/diagnostics.csv."""
+    found: dict[str, float] = {}
+    with open(run / "diagnostics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["name"] == "honest_accuracy":
+                found[row["algorithm"]] = float(row["value"])
+    return found
 
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--settings", default=",".join(SETTINGS))
-    p.add_argument("--rules", default="mean,clipped_mean")
+    p.add_argument("--rules", default="mean,clipped_mean,aligned_mean")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--trim", type=float, default=0.25, help="trimmed_mean: share cut per side")
     p.add_argument(
@@ -74,58 +95,62 @@ def main() -> None:
             p.error(f"unknown {unknown}; choose from {list(known)}")
     out = Path(args.out)
     results_path = out / "results.json"
-    # results[setting/rule][algorithm][seed] = final accuracy; seeds outermost, so a
-    # benchmark stopped early holds whole tables for its first seeds (and resumes from them)
+    # results[setting/rule][algorithm][seed] = final accuracy of the sound clients; seeds
+    # outermost, so a benchmark stopped early holds whole tables for its first seeds
+    # (and resumes from them)
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     algorithms = "algorithms=[" + ", ".join(ALGORITHMS[a] for a in algs) + "]"
+    base = sorted({baseline(SETTINGS[s]["share"]) for s in settings})
+    runs = [(b, "mean", BASELINES[b]) for b in base]
+    runs += [(s, rule, SETTINGS[s]) for s in settings for rule in rules]
     for seed in [] if args.report else range(args.first_seed, args.first_seed + args.seeds):
-        for setting in settings:
-            for rule in rules:
-                key = f"{setting}/{rule}"
-                done = results.setdefault(key, {})
-                if all(str(seed) in done.get(a, {}) for a in algs):
-                    continue
-                sets = [
-                    algorithms,
-                    f"scenario.faulty={json.dumps(SETTINGS[setting])}",
-                    f"aggregation={{rule: {rule}, trim: {args.trim}, "
-                    f"clip_quantile: {args.clip_quantile}}}",
-                    "checkpoint_every=1000",
-                    "eval_every=1000",  # the final round only: the table reports nothing else
-                ]
-                where = out / f"seed{seed}" / setting / rule
-                jobs = run_setting(
-                    "quickstart", sets, 1, where, args.data_dir, args.rounds, first_seed=seed
-                )
-                for j in jobs:
-                    done.setdefault(j["algorithm"], {})[str(seed)] = final_accuracy(j)
-                save_json(results_path, results)
-                print(f"seed {seed} {key}", {j["algorithm"]: j["final_accuracy"] for j in jobs})
+        for setting, rule, faulty in runs:
+            key = f"{setting}/{rule}"
+            done = results.setdefault(key, {})
+            if all(str(seed) in done.get(a, {}) for a in algs):
+                continue
+            sets = [
+                algorithms,
+                f"scenario.faulty={json.dumps(faulty)}",
+                f"aggregation={{rule: {rule}, trim: {args.trim}, "
+                f"clip_quantile: {args.clip_quantile}}}",
+                "checkpoint_every=1000",
+                "eval_every=1000",  # the final round only: the table reports nothing else
+            ]
+            where = out / f"seed{seed}" / setting / rule
+            run_setting("quickstart", sets, 1, where, args.data_dir, args.rounds, first_seed=seed)
+            honest = honest_accuracies(where)
+            for alg, acc in honest.items():
+                done.setdefault(alg, {})[str(seed)] = acc
+            save_json(results_path, results)
+            print(f"seed {seed} {key}", honest, flush=True)
     print(format_table(table(results, settings, rules, algs)))
 
 
 def table(results: dict, settings: list[str], rules: list[str], algs: list[str]) -> list[dict]:
-    """Rows (algorithm, setting): accuracy in % (mean over the seeds measured) per rule.
+    """Rows (algorithm, setting): the sound clients' accuracy in % (mean over seeds) per rule.
 
-    ``fault-free`` is the plain average without faulty clients, the yardstick of the goals.
+    ``fault-free`` is the plain average with the setting's faulty clients sending
+    honest updates (:func:`baseline`), over the same sound clients: the goals' yardstick.
     """
 
-    def mean(key: str, alg: str) -> tuple[str, int]:
-        # only seeds with a fault-free baseline: every cell of a row averages the same seeds
-        base = results.get("none/mean", {}).get(alg, {})
-        accs = [v for k, v in results.get(key, {}).get(alg, {}).items() if k in base]
+    def mean(key: str, alg: str, seeds: set[str]) -> tuple[str, int]:
+        accs = [v for k, v in results.get(key, {}).get(alg, {}).items() if k in seeds]
         return (f"{100 * np.mean(accs):.1f}" if accs else "-"), len(accs)
 
     rows = []
     for alg in algs:
-        clean, _ = mean("none/mean", alg)
         for setting in settings:
+            base = f"{baseline(SETTINGS[setting]['share'])}/mean"
+            # only seeds with a fault-free baseline: every cell of a row averages the same seeds
+            seeds = set(results.get(base, {}).get(alg, {}))
+            clean, _ = mean(base, alg, seeds)
             row: dict[str, str] = {"algorithm": alg, "setting": setting, "fault-free": clean}
-            seeds = []
+            counts = []
             for rule in rules:
-                row[rule], n = mean(f"{setting}/{rule}", alg)
-                seeds.append(n)
-            row["seeds"] = str(min(seeds))
+                row[rule], n = mean(f"{setting}/{rule}", alg, seeds)
+                counts.append(n)
+            row["seeds"] = str(min(counts))
             rows.append(row)
     return rows
 

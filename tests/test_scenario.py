@@ -375,3 +375,18 @@ def test_resume_with_joins_drift_and_failures_equals_uninterrupted_run(tmp_path)
         assert table("cut", name) == table("full", name), name
     kinds = {r["kind"] for r in table("full", "events.csv")}
     assert {"join", "leave", "drift", "failed", "faulty", "rejected"} <= kinds
+
+
+def test_honest_accuracy_pools_only_the_sound_clients():
+    """The diagnostic the reliability table reads: correct / count over the sound clients."""
+    from fedcluster.engine.results import EvalResult
+    from fedcluster.metrics import honest_accuracy
+
+    result = EvalResult(
+        correct=np.array([8.0, 0.0, 30.0, 1.0]),
+        count=np.array([10.0, 10.0, 40.0, 10.0]),
+        loss_sum=np.zeros(4),
+    )
+    sound = np.array([True, False, True, False])
+    assert honest_accuracy(result, sound) == {"honest_accuracy": (8 + 30) / (10 + 40)}
+    assert honest_accuracy(result, np.ones(4, dtype=bool)) == {}  # no faulty client: no row

@@ -27,7 +27,7 @@ DEFAULT_PRESET = "quickstart"
 MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typos
 
 DriftKind = Literal["rotate", "swap_labels", "redistribute"]
-AggregationRule = Literal["mean", "median", "trimmed_mean", "clipped_mean"]
+AggregationRule = Literal["mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean"]
 """The aggregation rules of :mod:`fedcluster.engine.robust` (its ``Rule``)."""
 DEFAULT_NORM_FACTOR = 100.0
 """Reject an update whose norm exceeds this times the round's median (only absurd ones)."""
@@ -247,16 +247,23 @@ class AggregationConfig(_Strict):
     """How every algorithm averages client models (per cluster): :mod:`fedcluster.engine.robust`.
 
     ``mean`` is the papers' weighted average; ``median``, ``trimmed_mean``
-    (Yin et al., ICML 2018) and ``clipped_mean`` (updates clipped to the
-    ``clip_quantile`` quantile of the round's update norms) resist faulty clients.
+    (Yin et al., ICML 2018), ``clipped_mean`` (updates clipped to the
+    ``clip_quantile`` quantile of the round's update norms) and ``aligned_mean``
+    (clipped, without the updates pointing against the cluster's median
+    direction) resist faulty clients.
     """
 
-    rule: AggregationRule = Field("mean", description="mean | median | trimmed_mean | clipped_mean")
+    rule: AggregationRule = Field(
+        "mean", description="mean | median | trimmed_mean | clipped_mean | aligned_mean"
+    )
     trim: float = Field(
         0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"
     )
     clip_quantile: float = Field(
-        0.25, gt=0.0, le=1.0, description="clipped_mean: the norm quantile updates are clipped to"
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="clipped_mean, aligned_mean: the norm quantile updates are clipped to",
     )
 
 

@@ -23,6 +23,8 @@
   ``summary.md`` report beside the final purity (it is not a ``metrics.csv``
   column: it follows from ``n_clusters`` and the group sizes in
   ``clusters.csv``), and :func:`note_cluster_shortfall` says so once per job.
+- With faulty clients, ``diagnostics.csv`` also gets ``honest_accuracy``
+  (:func:`honest_accuracy`): the pooled accuracy of the sound clients only.
 - ``client_seconds`` (client computations), ``server_seconds`` (the rest of
   the round) and ``eval_seconds``.
 """
@@ -74,6 +76,23 @@ def accuracy_columns(result: EvalResult) -> dict[str, float]:
         "accuracy_std": float(per_client.std()) if has.any() else math.nan,
         "test_loss": float(result.loss_sum.sum() / max(result.count.sum(), 1)),
     }
+
+
+def honest_accuracy(result: EvalResult, sound: np.ndarray) -> dict[str, float]:
+    """``{"honest_accuracy": pooled test accuracy of the sound clients}`` when some are faulty.
+
+    ``sound`` masks the clients ``result`` covers (the present ones, in order).
+
+    With faulty clients (``scenario.faulty``) the pooled ``accuracy`` also
+    counts the attackers' own test data under models they corrupted; the
+    Byzantine-robustness literature measures the honest clients (e.g. Yin et
+    al., ICML 2018; Cao et al., NDSS 2021). A ``diagnostics.csv`` row, not a
+    ``metrics.csv`` column; empty (``{}``) when every client is sound.
+    """
+    if sound.all():
+        return {}
+    correct, count = result.correct[sound].sum(), result.count[sound].sum()
+    return {"honest_accuracy": float(correct / count) if count else math.nan}
 
 
 def cluster_columns(assign: np.ndarray | None, groups: np.ndarray | None) -> dict[str, float]:

@@ -46,7 +46,7 @@ from fedcluster.engine.device import resolve_device
 from fedcluster.engine.robust import Aggregator
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
-from fedcluster.metrics import accuracy_columns, cluster_columns
+from fedcluster.metrics import accuracy_columns, cluster_columns, honest_accuracy
 from fedcluster.models import build_model, check_rows_fit
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rng import numpy_rng
@@ -262,8 +262,10 @@ class Job:
             UpdateBound(**cfg.rejection.model_dump()),
         )
         ctx.model_choice = cfg.evaluation.model_choice
-        ctx.aggregate = Aggregator(**cfg.aggregation.model_dump())
         self.channel = ctx.channel
+        ctx.aggregate = Aggregator(
+            **cfg.aggregation.model_dump(), round_norms=lambda: self.channel.update_norms
+        )
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
@@ -369,8 +371,11 @@ class Job:
             assign = np.where(channel.present, assign, -1)
         row.update(cluster_columns(assign, federation.groups))
         t1 = time.perf_counter()
+        honest: dict[str, float] = {}
         if channel.present.any() and (rnd % cfg.eval_every == 0 or rnd == cfg.rounds):
-            row.update(accuracy_columns(algorithm.evaluate(state, rnd)))
+            result = algorithm.evaluate(state, rnd)
+            row.update(accuracy_columns(result))
+            honest = honest_accuracy(result, (self.scenario.fault < 0)[channel.present])
         else:
             row.update(
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan
@@ -378,7 +383,7 @@ class Job:
         row["eval_seconds"] = time.perf_counter() - t1
         info.events = events + channel.events
         info.clusters = assign
-        info.diagnostics = algorithm.diagnostics(state)
+        info.diagnostics = {**algorithm.diagnostics(state), **honest}
         return row
 
     def _start_round(self, rnd: int) -> list[tuple[int, str, str]]:

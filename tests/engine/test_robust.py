@@ -20,6 +20,7 @@ from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.robust import (
     Aggregator,
     aggregate,
+    aligned_mean,
     clipped_mean,
     coordinate_median,
     trimmed_mean,
@@ -173,3 +174,60 @@ def test_the_quartile_scale_survives_a_majority_of_huge_updates():
     assert (quartile - truth).norm() < 0.1 * truth.norm()
     median_scale = aggregate(start, rows, None, Aggregator("clipped_mean", clip_quantile=0.5))
     assert (median_scale - truth).norm() > 1e3 * truth.norm()
+
+
+def test_clip_scale_comes_from_the_rounds_norms_not_the_clusters():
+    """A boosted client alone in its cluster: its own norm is no scale; the round's
+    quartile (the channel's record of every accepted update) clips it to an honest one."""
+    start = torch.zeros(3, dtype=torch.float64)
+    boosted = torch.tensor([[30.0, 40.0, 0.0]], dtype=torch.float64)  # norm 50
+    round_norms = [5.0, 5.2, 5.1, 4.9, 50.0]
+    alone = aggregate(start, boosted, None, Aggregator("clipped_mean"))
+    assert torch.equal(alone, boosted[0])  # its own quartile is itself: nothing clipped
+    tau = float(np.quantile(round_norms, 0.25, method="lower"))  # 5.0
+    scaled = aggregate(
+        start, boosted, None, Aggregator("clipped_mean", round_norms=lambda: round_norms)
+    )
+    assert torch.allclose(scaled, boosted[0] * tau / 50.0, rtol=1e-12)
+
+
+def test_aligned_mean_drops_sign_flipped_updates():
+    """Three honest updates and one flipped copy: the flipped one points against the
+    coordinate median and is left out; the rest is clipped_mean's arithmetic, by hand."""
+    start = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=torch.float64)
+    honest = torch.tensor([[1.0, 2.0, 0.5, 0.0], [1.2, 1.8, 0.4, 0.1], [0.9, 2.1, 0.6, -0.1]])
+    updates = torch.cat([honest, -honest[:1]]).double()
+    weights = torch.tensor([10.0, 20.0, 30.0, 40.0])
+    got = aligned_mean(start, start + updates, weights, quantile=0.25)
+    norms = updates.norm(dim=1)
+    tau = norms.sort().values[0]  # lower quartile of 4 norms: the smallest
+    clipped = updates * torch.clamp(tau / norms, max=1.0).unsqueeze(1)
+    w = weights[:3].double()
+    want = start + (clipped[:3] * w.unsqueeze(1)).sum(0) / w.sum()
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    # without a flipped update it is clipped_mean exactly
+    assert torch.equal(
+        aligned_mean(start, start + honest.double(), weights[:3]),
+        clipped_mean(start, start + honest.double(), weights[:3]),
+    )
+
+
+def test_aligned_mean_keeps_everyone_when_the_median_has_no_direction():
+    """Two opposite updates: their median is 0, no cosine is positive, all are kept."""
+    start = torch.zeros(2, dtype=torch.float64)
+    rows = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64)
+    got = aligned_mean(start, rows, torch.ones(2))
+    assert torch.equal(got, clipped_mean(start, rows, torch.ones(2)))
+
+
+def test_the_channel_records_the_rounds_accepted_update_norms():
+    ctx = make_context(rotated_digits(n_groups=2, clients_per_group=2))
+    ctx.channel.start_round()
+    clients = np.arange(4)
+    updates = torch.tensor([[3.0, 4.0], [0.0, 1.0], [float("nan"), 0.0], [6.0, 8.0]])
+    finite = np.array([True, True, False, True])
+    keep = ctx.channel.accept_bounded(clients, updates, finite, rnd=1)
+    assert keep.tolist() == [True, True, False, True]
+    assert ctx.channel.update_norms == pytest.approx([5.0, 1.0, 10.0])
+    ctx.channel.start_round()
+    assert ctx.channel.update_norms == []

@@ -119,6 +119,9 @@ class Channel:
     failed: list[int] = field(default_factory=list)
     events: list[tuple[int, str, str]] = field(default_factory=list)
     """The round's ``(client, kind, detail)`` records: ``failed`` and ``rejected``."""
+    update_norms: list[float] = field(default_factory=list)
+    """Norms ‖w_i − w_start‖ of the round's accepted model updates (the clipping
+    rules' scale, :mod:`fedcluster.engine.robust`)."""
     present: np.ndarray = field(init=False)
     available: np.ndarray = field(init=False)
     failing: np.ndarray = field(init=False)
@@ -142,6 +145,7 @@ class Channel:
         self.rejected = []
         self.failed = []
         self.events = []
+        self.update_norms = []
         self.set_masks(present, available, failing)
 
     def set_masks(
@@ -361,6 +365,7 @@ class Channel:
         keep = finite & (norms <= limit)
         for c, norm in zip(clients[finite & ~keep], norms[finite & ~keep], strict=True):
             self._reject(c, rnd, "update", f"norm {norm:.3g} > {limit:.3g}")
+        self.update_norms.extend(norms[keep].tolist())
         return keep
 
 
