@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedcluster.algorithms.fesem import FeSEM
 from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL
 from fedcluster.algorithms.repair import ClusterRepair, repair_clusters, separation
@@ -86,3 +87,41 @@ def test_repair_that_never_splits_changes_nothing():
     torch.testing.assert_close(states[0].models, states[1].models, rtol=0, atol=0)
     assert (states[0].assign == states[1].assign).all()
     assert states[1].repair_separation is not None and states[0].repair_separation is None
+
+
+def test_repair_measures_each_update_from_the_model_its_client_trained_from():
+    """FeSEM's E-step can put a client into another cluster than the one it trained from:
+    with ``starts`` the updates are w_i − start_i, so the same two directions split
+    although the clients started from different models."""
+    old = torch.zeros(2, 3)
+    old[1] = 9.0
+    rng = np.random.default_rng(1)
+    ups = np.array([[1.0, 0, 0]] * 3 + [[0, 1.0, 0]] * 3) + 0.05 * rng.standard_normal((6, 3))
+    starts = torch.as_tensor(rng.normal(size=(6, 3)) * 5.0, dtype=torch.float32)
+    rows = starts + torch.as_tensor(ups, dtype=torch.float32)
+    choice = np.zeros(6, dtype=np.int64)
+    new = torch.stack([rows.mean(dim=0), old[1]])
+    out = repair_clusters(ClusterRepair(), old, new, new - old, rows, choice, None, starts)
+    moved = out.choice == 1
+    assert out.splits == [(0, 1)] and (moved[:3].all() ^ moved[3:].all())
+    # measured from the cluster model instead, the random starts hide the two directions
+    blind = repair_clusters(ClusterRepair(), old, new, new - old, rows, choice, None)
+    assert blind.separation[0] < out.separation[0]
+
+
+def test_fesem_repair_separates_two_groups_that_start_in_one_cluster():
+    fed = rotated_digits(n_groups=2, clients_per_group=4, per_client=80)
+    everyone = np.arange(fed.n_clients)
+    results = {}
+    for repair in (None, ClusterRepair(after=0)):
+        ctx = make_context(fed, "mlp", seed=0, train=TRAIN, hidden=[16])
+        alg = FeSEM(FeSEM.Params(n_clusters=2, init="random", repair=repair), ctx)
+        state = alg.init_state()
+        state.centres[1] = state.centres[0] * 50.0  # nobody's nearest centre: both groups merged
+        for rnd in range(1, 6):
+            alg.run_round(state, rnd, everyone)
+        results[repair is None] = purity(fed.groups, state.assign)
+        logged = alg.diagnostics(state)
+        assert ("repair/splits" in logged) == (repair is not None)
+    assert results[True] == 0.5  # without repair the far centre stays empty
+    assert results[False] == 1.0

@@ -43,7 +43,7 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.algorithms.channel import Replies
-from fedcluster.algorithms.repair import ClusterRepair, repair_clusters
+from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.computation import Request
 from fedcluster.rng import numpy_rng
@@ -198,14 +198,11 @@ class ClusterModelAlgorithm(Algorithm):
         ``old``: the models the clients trained from; ``ex``/``choice``: the
         accepted uploads and their clusters.
         """
-        cfg = self.params.repair
-        if cfg is None:
+        fixed = apply_repair(
+            self.params.repair, rnd, old, state.models, state.delta, ex.rows, choice, weights
+        )
+        if fixed is None:
             return
-        k = len(old)
-        state.repair_separation, state.repair_splits = np.full(k, np.nan), 0
-        if rnd <= cfg.after:
-            return
-        fixed = repair_clusters(cfg, old, state.models, state.delta, ex.rows, choice, weights)
         state.models, state.delta = fixed.models, fixed.delta
         state.assign[ex.clients] = fixed.choice
         state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
@@ -214,12 +211,7 @@ class ClusterModelAlgorithm(Algorithm):
 
     def diagnostics(self, state: ClusterModelState) -> dict[str, float]:
         """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
-        if state.repair_separation is None:
-            return {}
-        values = enumerate(state.repair_separation)
-        out = {f"repair/c{k}/separation": float(v) for k, v in values}
-        out["repair/splits"] = float(state.repair_splits)
-        return out
+        return repair_diagnostics(state.repair_separation, state.repair_splits)
 
     def upload_ints(self) -> int:
         """Integers each client uploads besides its model (cluster id, sample count)."""

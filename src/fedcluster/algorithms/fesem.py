@@ -35,6 +35,12 @@ without an accepted model changes nothing; with ``init="clients"``, a first
 round with fewer than K accepted models seeds no centres, and the next round
 tries again from the shared initial model.
 
+Cluster repair (beyond the paper, opt-in: ``repair:``,
+:mod:`fedcluster.algorithms.repair`): after the M-step, a centre whose
+members' updates (each from the model it trained from) split into two
+incongruent halves gives its smaller half to a starved centre. FeSEM's
+delta-free state ignores the repair's Δw.
+
 Dynamic federations (:mod:`fedcluster.scenario`). A newcomer is a client
 without a cluster: it trains from the mean of the centres and the E-step
 assigns it to the nearest centre, as any client (Xie et al. need no special
@@ -56,6 +62,7 @@ from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.clustering.distances import euclidean_distance_matrix
 from fedcluster.errors import ConfigError
 from fedcluster.rng import numpy_rng
@@ -70,6 +77,9 @@ class FeSEMParams(AlgorithmParams):
     )
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="M-step average: uniform (FeSEM) or by sample count"
+    )
+    repair: ClusterRepair | None = Field(
+        None, description="split incongruent clusters into starved ones (repair.py; None: off)"
     )
 
 
@@ -101,6 +111,10 @@ class FeSEMState(State):
     """Each client's cluster (−1: not yet assigned)."""
     seeded: bool
     """Whether the centres have been seeded (k-means++ on the first models)."""
+    repair_separation: np.ndarray | None = None
+    """With cluster repair on: each cluster's separation score in the last round."""
+    repair_splits: int = 0
+    """With cluster repair on: clusters split in the last round."""
 
 
 @register
@@ -133,6 +147,7 @@ class FeSEM(Algorithm):
         rows, owner = eval_rows_with_average(state.centres, state.assign)
         ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
         selected, local, m = ex.clients, ex.rows, len(ex.clients)
+        starts = rows[owner[selected]]
         sizes = ctx.train_sizes[selected]
         if m == 0 or (not state.seeded and m < p.n_clusters):
             return weighted_loss(ex.loss, sizes)  # too few accepted models: nothing changes
@@ -146,9 +161,20 @@ class FeSEM(Algorithm):
             to_centres = pair[:m, seeds]
         choice = to_centres.argmin(axis=1)
         weights = sizes if p.weighting == "samples" else np.ones(m)
+        old = state.centres
         state.centres = cluster_average(local, choice, state.centres, weights, ctx.aggregate)
+        fixed = apply_repair(
+            p.repair, rnd, old, state.centres, torch.zeros_like(old), local, choice, weights, starts
+        )
+        if fixed is not None:
+            state.centres, choice = fixed.models, fixed.choice
+            state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
         state.assign[selected] = choice
         return weighted_loss(ex.loss, sizes)
+
+    def diagnostics(self, state: State) -> dict[str, float]:
+        """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
+        return repair_diagnostics(state.repair_separation, state.repair_splits)
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state.centres, state.assign)

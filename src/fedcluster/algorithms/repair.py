@@ -2,7 +2,8 @@
 
 IFCA (Ghosh et al., NeurIPS 2020) and JGL (jgl-joint-gradient-loss-cfl.md)
 let every client pick the cluster model with the lowest loss (JGL: plus a
-gradient-similarity term). When two true groups pick the same model in the
+gradient-similarity term); FeSEM (Xie et al. 2020) puts each client's model
+into the cluster of the nearest centre. When two true groups pick the same model in the
 first rounds they train it together, it becomes the best model for both, and
 nothing in either paper ever separates them again: the main job's 0° and 180°
 groups share one model (purity 0.75) while another model starves. Sattler et
@@ -11,8 +12,8 @@ members' updates point in incongruent directions, so the cosine similarities
 of the updates fall into two blocks.
 
 The rule, applied by the server after the round's per-cluster averaging
-(``repair:`` in the params of ``ifca`` / ``jgl``; absent = off, the papers'
-behaviour and every number unchanged):
+(``repair:`` in the params of ``ifca`` / ``jgl`` / ``fesem``; absent = off, the
+papers' behaviour and every number unchanged):
 
 1. **Starved clusters.** A cluster is starved when at most
    ``starved_share`` × m / K of the round's m accepted clients chose it (0
@@ -115,13 +116,16 @@ def repair_clusters(
     rows: torch.Tensor,
     choice: np.ndarray,
     weights: np.ndarray | None,
+    starts: torch.Tensor | None = None,
 ) -> RepairResult:
     """Apply the repair rule (module docstring) to one round.
 
-    ``old`` [K, d]: the models the clients trained from; ``new``/``delta``:
+    ``old`` [K, d]: the cluster models of the round's start; ``new``/``delta``:
     after the round's averaging; ``rows`` [m, d] and ``choice`` [m]: the
     accepted clients' models and clusters; ``weights`` [m] of the averaging
-    (None: uniform). Inputs are not modified.
+    (None: uniform); ``starts`` [m, d]: the model each client trained from
+    (default ``old[choice]``; FeSEM's E-step may put a client into another
+    cluster than the one it trained from). Inputs are not modified.
     """
     k_models = len(old)
     m = len(choice)
@@ -135,7 +139,7 @@ def repair_clusters(
         idx = np.flatnonzero(choice == k)
         if not starved or k in starved or len(idx) < 2 * params.min_size:
             continue
-        updates = rows[idx] - old[k]
+        updates = rows[idx] - (old[k] if starts is None else starts[idx])
         sim = cosine_similarity_matrix(updates)
         first, _ = bipartition(sim, np.arange(len(idx)))
         in_first = np.isin(np.arange(len(idx)), first)
@@ -152,4 +156,33 @@ def repair_clusters(
             out.delta[cluster] = out.models[cluster] - old[k]
         out.choice[move] = target
         out.splits.append((k, target))
+    return out
+
+
+def apply_repair(
+    params: ClusterRepair | None,
+    rnd: int,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    delta: torch.Tensor,
+    rows: torch.Tensor,
+    choice: np.ndarray,
+    weights: np.ndarray | None,
+    starts: torch.Tensor | None = None,
+) -> RepairResult | None:
+    """The round's repair for an algorithm's ``repair`` parameter: ``None`` when off; in
+    rounds 1..``after`` nothing changes (every separation NaN); else :func:`repair_clusters`."""
+    if params is None:
+        return None
+    if rnd <= params.after:
+        return RepairResult(new, delta, choice, np.full(len(old), np.nan), [])
+    return repair_clusters(params, old, new, delta, rows, choice, weights, starts)
+
+
+def repair_diagnostics(separation: np.ndarray | None, splits: int) -> dict[str, float]:
+    """``repair/c<k>/separation`` per cluster and ``repair/splits`` (empty when repair is off)."""
+    if separation is None:
+        return {}
+    out = {f"repair/c{k}/separation": float(v) for k, v in enumerate(separation)}
+    out["repair/splits"] = float(splits)
     return out
