@@ -1,13 +1,14 @@
 """Cluster repair and the JGL similarity ablation: purity, rounds to 0.9, accuracy, bytes.
 
-Repair (``repair``): IFCA and JGL with and without ``repair: {}``
+Repair (``repair``): IFCA, JGL and FeSEM with and without ``repair: {}``
 (:mod:`fedcluster.algorithms.repair`) on
 
 - ``main``: the main job (``tests/golden/configs/main-job.yaml``: 24 clients of
   mnist5k in 4 rotation groups, 30 rounds), where both merge 0° and 180°;
 - ``jgl-mnist`` / ``jgl-fmnist``: JGL's Fig. 2 tables (MNIST, Fashion-MNIST),
   scaled to 0.27 (about 200 samples per client), global labels, random init;
-- ``ifca-rot``: IFCA on rotated MNIST (the ``rotation`` preset: 40 clients).
+- ``ifca-rot``: IFCA's rotated MNIST (the ``ifca-rotated-mnist`` preset at a tenth
+  of its size: 240 clients of 100 images, 40 test clients, 20 rounds).
 
 Ablation (``ablation``): JGL with λ ∈ {0.2, 0.5, 0.8} × loss reduction {sum,
 mean} × similarity {cosine, euclidean}, and IFCA, on ``jgl-mnist`` /
@@ -43,19 +44,33 @@ SETTINGS: dict[str, tuple[str | None, str | None, list[str], int]] = {
         [*JGL_TABLE, "data.dataset=fashion-mnist", "data.partition.table=jgl-fashion-mnist"],
         15,
     ),
-    "ifca-rot": (None, "rotation", [], 20),
+    # IFCA's rotated MNIST (the ifca-rotated-mnist preset) at a tenth of its size: 4 x 60
+    # clients of 100 images, 4 x 10 test clients, own-loss test protocol
+    "ifca-rot": (
+        None,
+        "ifca-rotated-mnist",
+        [
+            "data.partition.base_options={n_clients: 60, samples_per_client: 100}",
+            "data.partition.test_clients=10",
+            "eval_every=5",
+        ],
+        20,
+    ),
 }
 
 
 def repair_algorithms(tag: str) -> str:
-    ifca = "weighting: samples" if tag == "ifca-rot" else "weighting: uniform"
-    algs = [f"{{name: ifca, label: ifca, params: {{n_clusters: 4, {ifca}}}}}"]
-    algs.append(
-        f"{{name: ifca, label: ifca+repair, params: {{n_clusters: 4, {ifca}, repair: {{}}}}}}"
-    )
+    """IFCA (as the setting's paper runs it), JGL λ = 0.2 and FeSEM, each without and with
+    ``repair: {}``; IFCA's own rotated MNIST runs IFCA only."""
+    ifca = "choice_batches: all, weighting: uniform" if tag == "ifca-rot" else "weighting: uniform"
+    bases = {"ifca": f"ifca, params: {{n_clusters: 4, {ifca}"}
     if tag != "ifca-rot":
-        algs.append("{name: jgl, label: jgl, params: {n_clusters: 4, lam: 0.2}}")
-        algs.append("{name: jgl, label: jgl+repair, params: {n_clusters: 4, lam: 0.2, repair: {}}}")
+        bases["jgl"] = "jgl, params: {n_clusters: 4, lam: 0.2"
+        bases["fesem"] = "fesem, params: {n_clusters: 4"
+    algs = []
+    for label, spec in bases.items():
+        algs.append(f"{{name: {spec}}}, label: {label}}}")
+        algs.append(f"{{name: {spec}, repair: {{}}}}, label: {label}+repair}}")
     return "[" + ", ".join(algs) + "]"
 
 
