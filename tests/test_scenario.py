@@ -386,7 +386,8 @@ def test_honest_accuracy_pools_only_the_sound_clients():
         correct=np.array([8.0, 0.0, 30.0, 1.0]),
         count=np.array([10.0, 10.0, 40.0, 10.0]),
         loss_sum=np.zeros(4),
+        clients=np.array([0, 1, 3, 4]),  # client 2's evaluation was rejected
     )
-    sound = np.array([True, False, True, False])
+    sound = np.array([True, False, False, True, False])
     assert honest_accuracy(result, sound) == {"honest_accuracy": (8 + 30) / (10 + 40)}
-    assert honest_accuracy(result, np.ones(4, dtype=bool)) == {}  # no faulty client: no row
+    assert honest_accuracy(result, np.ones(5, dtype=bool)) == {}  # no faulty client: no row

@@ -81,7 +81,8 @@ def accuracy_columns(result: EvalResult) -> dict[str, float]:
 def honest_accuracy(result: EvalResult, sound: np.ndarray) -> dict[str, float]:
     """``{"honest_accuracy": pooled test accuracy of the sound clients}`` when some are faulty.
 
-    ``sound`` masks the clients ``result`` covers (the present ones, in order).
+    ``sound`` masks all clients of the federation; ``result.clients`` says which
+    of them the result covers.
 
     With faulty clients (``scenario.faulty``) the pooled ``accuracy`` also
     counts the attackers' own test data under models they corrupted; the
@@ -91,7 +92,9 @@ def honest_accuracy(result: EvalResult, sound: np.ndarray) -> dict[str, float]:
     """
     if sound.all():
         return {}
-    correct, count = result.correct[sound].sum(), result.count[sound].sum()
+    assert result.clients is not None, "honest_accuracy needs the evaluated clients"
+    mine = sound[result.clients]
+    correct, count = result.correct[mine].sum(), result.count[mine].sum()
     return {"honest_accuracy": float(correct / count) if count else math.nan}
 
 

@@ -375,7 +375,7 @@ class Job:
         if channel.present.any() and (rnd % cfg.eval_every == 0 or rnd == cfg.rounds):
             result = algorithm.evaluate(state, rnd)
             row.update(accuracy_columns(result))
-            honest = honest_accuracy(result, (self.scenario.fault < 0)[channel.present])
+            honest = honest_accuracy(result, self.scenario.fault < 0)
         else:
             row.update(
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan

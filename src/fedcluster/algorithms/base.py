@@ -256,7 +256,10 @@ class Context:
         )
         replies = self.channel.ask(EVALUATE, clients, request, rnd, measurement=True)
         return EvalResult(
-            replies["correct"].numpy(), replies["count"].numpy(), replies["loss_sum"].numpy()
+            replies["correct"].numpy(),
+            replies["count"].numpy(),
+            replies["loss_sum"].numpy(),
+            replies.clients,
         )
 
 

@@ -41,4 +41,4 @@ def own_loss_evaluate(
     pick = np.arange(n)
     correct = np.stack([r.correct for r in results], axis=1)[pick, choice]
     loss_sum = np.stack([r.loss_sum for r in results], axis=1)[pick, choice]
-    return EvalResult(correct, results[0].count.copy(), loss_sum), choice
+    return EvalResult(correct, results[0].count.copy(), loss_sum, results[0].clients), choice

@@ -24,6 +24,9 @@ class EvalResult:
     correct: np.ndarray
     count: np.ndarray
     loss_sum: np.ndarray
+    clients: np.ndarray | None = None
+    """The clients the entries belong to, where known (a rejected evaluation
+    reply leaves its client out)."""
 
     @property
     def accuracy(self) -> np.ndarray:
