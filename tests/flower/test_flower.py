@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +17,6 @@ pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcl
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
 from fedcluster.config import validate_config  # noqa: E402
 from fedcluster.errors import ConfigError  # noqa: E402
-from fedcluster.flower.backend import FlowerClientError, _receive  # noqa: E402
 from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
 from tests.helpers import rotated_mnist5k  # noqa: E402
@@ -115,39 +113,3 @@ def test_unsupported_settings_are_refused_before_anything_runs(change, field):
     config = validate_config({**CONFIG, **change})
     with pytest.raises(ConfigError, match=field):
         check_supported(config)
-
-
-class _Grid:
-    """A grid whose nodes answer from ``answers`` (node id -> reply or None: silent)."""
-
-    def __init__(self, answers):
-        self.answers = answers
-
-    def send_and_receive(self, messages, timeout=None):
-        return [a for a in (self.answers[m.metadata.dst_node_id] for m in messages) if a]
-
-
-def _message(node):
-    return SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node))
-
-
-def _reply(node, error=None):
-    return SimpleNamespace(
-        metadata=SimpleNamespace(src_node_id=node),
-        has_error=lambda: error is not None,
-        error=SimpleNamespace(reason=error),
-    )
-
-
-def test_replies_come_back_in_request_order_and_failures_name_the_client():
-    grid = _Grid({7: _reply(7), 3: _reply(3)})
-    replies = _receive(grid, [_message(3), _message(7)], None, ["client 0", "client 1"])
-    assert [r.metadata.src_node_id for r in replies] == [3, 7]
-    grid = _Grid({7: _reply(7, "out of memory"), 3: _reply(3)})
-    with pytest.raises(FlowerClientError, match="client 1 failed: out of memory"):
-        _receive(grid, [_message(3), _message(7)], None, ["client 0", "client 1"])
-    grid = _Grid({7: None, 3: _reply(3)})
-    with pytest.raises(FlowerClientError, match="no reply .* from client 1"):
-        _receive(grid, [_message(3), _message(7)], 1.0, ["client 0", "client 1"])
-    with pytest.raises(ValueError, match="asked twice"):
-        _receive(grid, [_message(3), _message(3)], None, ["client 0", "client 0"])
