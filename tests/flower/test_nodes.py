@@ -80,6 +80,8 @@ class LocalGrid:
 
     def __init__(self, nodes: dict[int, dict[str, str]], down: set[int] = frozenset()):
         self.nodes, self.down = nodes, set(down)
+        self.offline: set[int] = set()
+        """Nodes the SuperLink reports offline (Flower's NODE_UNAVAILABLE error reply)."""
         self.replies: dict[str, SimpleNamespace] = {}
         self.sent: list[tuple[int, str, list[int]]] = []
 
@@ -95,6 +97,14 @@ class LocalGrid:
             self.sent.append((node, message.metadata.message_type, list(config.get("clients", []))))
             ids.append(mid)
             if node in self.down:
+                continue
+            if node in self.offline:
+                self.replies[mid] = SimpleNamespace(
+                    metadata=SimpleNamespace(reply_to_message_id=mid),
+                    has_error=lambda: True,
+                    error=SimpleNamespace(code=5, reason="Error: Node Unavailable"),
+                    content=None,
+                )
                 continue
             context = Context(1, node, dict(self.nodes[node]), RecordDict(), {})
             try:
@@ -224,8 +234,12 @@ def _corrupt(folder: Path, client: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_corrupt_client_file_fails_only_that_client(tmp_path, caplog):
-    config = _config([{"name": "fedavg"}], deployment={"min_replies": 0.5})
+def test_a_corrupt_client_file_leaves_only_that_client_out(tmp_path, caplog):
+    """Client 4's file is corrupt: discovery logs the client and its node's error, the
+    node serves its other clients, client 4 is never asked again and is ``failed`` in
+    every round, and the run goes on -- even with ``min_replies`` 1.0 and a request
+    for client 4 alone (IFCA's evaluation of a client no cluster has chosen yet)."""
+    config = _config([{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}])
     nodes, blocks = _nodes(config, tmp_path, 2)  # clients 0-2 and 3-5
     _corrupt(blocks[1][0], 4)
     grid = LocalGrid(nodes)
@@ -234,11 +248,13 @@ def test_a_corrupt_client_file_fails_only_that_client(tmp_path, caplog):
     setup = [r.getMessage() for r in caplog.records if protocol.SETUP in r.getMessage()]
     assert len(setup) == 1 and "client 4 (node 101)" in setup[0]
     assert client_file(4) in setup[0] and "SHA-256 differs" in setup[0]
+    assert [clients for _, kind, clients in grid.sent if 4 in clients] == []
+    assert any(5 in clients for _, _, clients in grid.sent)  # its node's other clients serve
     events = _rows(tmp_path / "flower/events.csv")
-    failed = [(e["round"], e["client"]) for e in events if e["kind"] == "failed"]
-    assert failed == [("1", "4"), ("2", "4")]
+    failed = [(e["algorithm"], e["round"], e["client"]) for e in events if e["kind"] == "failed"]
+    assert failed == [(a, r, "4") for a in ("fedavg", "ifca") for r in ("1", "2")]
     assert all("SHA-256 differs" in e["detail"] for e in events if e["kind"] == "failed")
-    assert [int(r["failed"]) for r in _rows(tmp_path / "flower/metrics.csv")] == [1, 1]
+    assert [int(r["failed"]) for r in _rows(tmp_path / "flower/metrics.csv")] == [1, 1, 1, 1]
 
 
 def test_discovery_names_missing_and_doubly_held_clients(tmp_path):
@@ -257,3 +273,39 @@ def test_discovery_names_missing_and_doubly_held_clients(tmp_path):
     with pytest.raises(FlowerClientError, match="exported for seed 0, the run asks for seed 1"):
         discover(LocalGrid(nodes), text, 1)
     assert np.array_equal(info.groups, Experiment(config).federation(0).groups)
+
+
+class _LosesANode(LocalGrid):
+    """Node 101 goes offline once ``after`` computation messages have been pushed."""
+
+    def __init__(self, nodes, after: int):
+        super().__init__(nodes)
+        self.after = after
+
+    def push_messages(self, messages):
+        if len([s for s in self.sent if s[1] != protocol.SETUP]) >= self.after:
+            self.offline.add(101)
+        return super().push_messages(messages)
+
+
+def test_a_node_reported_offline_is_not_asked_again(tmp_path, caplog):
+    """Node 101 (clients 3-5) goes offline after FedAvg's first training: its clients
+    fail from then on without being asked, also in the next job (IFCA, whose
+    evaluation asks them alone: they never chose a cluster), and the run completes."""
+    config = _config(
+        [{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}],
+        deployment={"min_replies": 0.5},
+    )
+    nodes, _ = _nodes(config, tmp_path, 2)
+    grid = _LosesANode(nodes, after=2)  # after round 1's training
+    with caplog.at_level(logging.WARNING, logger="fedcluster.flower.backend"):
+        _flower_run(config, grid, tmp_path / "flower")
+    offline = [r.getMessage() for r in caplog.records if "is offline;" in r.getMessage()]
+    assert len(offline) == 1 and "node 101" in offline[0] and "(3, 4, 5)" in offline[0]
+    asked = [node for node, kind, _ in grid.sent if kind != protocol.SETUP]
+    # round 1: train answered by both; evaluate: node 101's unavailable reply; then never
+    assert asked[:4] == [100, 101, 100, 101] and 101 not in asked[4:]
+    events = _rows(tmp_path / "flower/events.csv")
+    failed = {(e["algorithm"], e["round"], e["client"]) for e in events if e["kind"] == "failed"}
+    lost = {(a, r, c) for a in ("fedavg", "ifca") for r in ("1", "2") for c in "345"}
+    assert failed == lost

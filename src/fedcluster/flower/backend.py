@@ -25,7 +25,7 @@ in the simulator.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import Message
@@ -60,6 +60,9 @@ class FederationInfo:
     groups: np.ndarray | None
     n_classes: int
     input_shape: tuple[int, ...]
+    unavailable: dict[int, str] = field(default_factory=dict)
+    """Client -> why its node cannot serve it (its ``query.setup`` error, e.g. a corrupt
+    data file): it is not asked again, and fails every request with that reason."""
 
     @property
     def n_clients(self) -> int:
@@ -106,7 +109,8 @@ def discover(
             held[int(c)] = (int(node), one)
             if protocol.ERROR in one:
                 log.warning(
-                    "%s: client %s (node %s) cannot take part, it will fail every request: %s",
+                    "%s: client %s (node %s) cannot take part; it is left out and fails "
+                    "every request: %s",
                     what,
                     c,
                     node,
@@ -134,6 +138,7 @@ def discover(
         groups=None if (groups < 0).any() else groups,
         n_classes=shape[0],
         input_shape=shape[1],
+        unavailable={c: str(i[protocol.ERROR]) for c, i in enumerate(info) if protocol.ERROR in i},
     )
     return federation, {c: held[c][0] for c in range(n)}
 
@@ -151,8 +156,12 @@ class FlowerBackend(ClientClock):
         seed: int,
         timeout: float | None = None,
         min_replies: float = 1.0,
+        offline: dict[int, str] | None = None,
     ) -> None:
         self.grid = grid
+        self.offline = {} if offline is None else offline
+        """Node -> why: nodes the SuperLink reported offline, not asked again (shared
+        by the jobs of a seed)."""
         self.min_replies = min_replies
         self.model = model
         self.layout = ParamLayout(model)
@@ -174,6 +183,10 @@ class FlowerBackend(ClientClock):
         like the simulator's failing clients. Fewer replies than ``min_replies`` (a
         fraction of the clients asked) end the run with one line naming the
         clients and their errors (:func:`~fedcluster.flower.collect.check_enough`).
+        A client its node declared unavailable at setup, or whose node the
+        SuperLink has reported offline (no heartbeat for 2 × its interval, 60 s
+        by default), is not asked (it fails with that reason) and does not count
+        towards ``min_replies``: the run goes on without it.
         """
         clients = np.asarray(clients, dtype=np.int64)
         base = {
@@ -182,9 +195,17 @@ class FlowerBackend(ClientClock):
             "computation": computation.name,
             "computation_module": computation.module,
         }
+        replies: list[Payload | str | None] = [None] * len(clients)
+        unavailable = self.federation.unavailable
         by_node: dict[int, list[int]] = {}
         for i, c in enumerate(clients):
-            by_node.setdefault(self.nodes[int(c)], []).append(i)
+            node = self.nodes[int(c)]
+            if int(c) in unavailable:  # its node said so at setup: not asked again
+                replies[i] = f"unavailable: {unavailable[int(c)]}"
+            elif node in self.offline:
+                replies[i] = f"unavailable: its node is offline ({self.offline[node]})"
+            else:
+                by_node.setdefault(node, []).append(i)
         messages = []
         for node, positions in by_node.items():
             arrays, config = protocol.encode_clients(request, positions, clients[positions])
@@ -206,7 +227,15 @@ class FlowerBackend(ClientClock):
                 what=what,
                 name=lambda n: f"node {n} (clients {', '.join(map(str, clients[by_node[n]]))})",
             )
-        replies: list[Payload | str | None] = [None] * len(clients)
+        for node in got.offline:
+            self.offline[node] = got.failures[node]
+            log.warning(
+                "%s: node %s is offline; its clients (%s) are not asked again: %s",
+                what,
+                node,
+                ", ".join(str(c) for c, n in self.nodes.items() if n == node),
+                got.failures[node],
+            )
         for node, positions in by_node.items():
             if node in got.replies:
                 answers = protocol.decode_replies(got.replies[node].content, len(positions))
@@ -216,11 +245,12 @@ class FlowerBackend(ClientClock):
                 replies[i] = answer
                 if isinstance(answer, str) and node in got.replies:
                     log.warning("%s: client %d failed: %s", what, clients[i], answer)
-        failures = {int(clients[i]): r for i, r in enumerate(replies) if isinstance(r, str)}
+        asked = [i for positions in by_node.values() for i in positions]
+        failures = {int(clients[i]): replies[i] for i in asked if isinstance(replies[i], str)}
         check_enough(
             what,
-            len(clients),
-            len(clients) - len(failures),
+            len(asked),
+            len(asked) - len(failures),
             self.min_replies,
             "; ".join(f"client {c}: {r}" for c, r in failures.items()),
         )

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIMEOUT = "timeout"
+NODE_UNAVAILABLE = 5
+"""``flwr.common.constant.ErrorCode.NODE_UNAVAILABLE`` (Flower 1.42)."""
 
 
 class TooFewReplies(FedclusterError):
@@ -50,6 +52,9 @@ class Collected:
 
     replies: dict[Hashable, Message] = field(default_factory=dict)
     failures: dict[Hashable, str] = field(default_factory=dict)
+    offline: set[Hashable] = field(default_factory=set)
+    """Keys whose node the SuperLink reported offline (Flower's ``NODE_UNAVAILABLE``
+    error: no heartbeat within 2 × its interval)."""
 
     def describe_failures(self) -> str:
         """``client 3: timeout; client 5: node error: ...`` (one line)."""
@@ -119,6 +124,8 @@ def collect(
                 continue
             if reply.has_error():
                 out.failures[key] = f"node error: {_one_line(reply.error.reason)}"
+                if getattr(reply.error, "code", None) == NODE_UNAVAILABLE:
+                    out.offline.add(key)
             else:
                 out.replies[key] = reply
         if not pending or (deadline is not None and clock() >= deadline):
