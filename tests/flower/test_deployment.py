@@ -33,7 +33,7 @@ from fedcluster.errors import FedclusterError  # noqa: E402
 from fedcluster.flower.launcher import run_local  # noqa: E402
 from fedcluster.flower.nodedata import client_file  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
-from tests.helpers import rotated_mnist5k  # noqa: E402
+from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
 pytestmark = pytest.mark.deployment
 
@@ -89,19 +89,8 @@ def _alive(pid: int) -> bool:
 
 def _assert_same_as_simulator(config, run: Path, tmp_path: Path) -> None:
     Experiment(config).run(tmp_path / "sim", progress=False)
-    sim, dep = _rows(tmp_path / "sim/metrics.csv"), _rows(run / "metrics.csv")
-    assert len(sim) == len(dep) == config.rounds * len(config.algorithms)
-    for a, b in zip(sim, dep, strict=True):
-        for column in a:
-            if column.endswith("seconds"):
-                continue
-            if a[column] != b[column]:  # float rounding only
-                assert float(a[column]) == pytest.approx(float(b[column]), rel=1e-6), (
-                    a["algorithm"],
-                    a["round"],
-                    column,
-                )
-    assert (tmp_path / "sim/clusters.csv").read_text() == (run / "clusters.csv").read_text()
+    rows = assert_same_run(tmp_path / "sim", run, rel=1e-6)  # float rounding only
+    assert len(rows) == config.rounds * len(config.algorithms)
 
 
 def _check_nodes(run: Path) -> dict:

@@ -19,7 +19,7 @@ from fedcluster.config import validate_config  # noqa: E402
 from fedcluster.errors import ConfigError  # noqa: E402
 from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
-from tests.helpers import rotated_mnist5k  # noqa: E402
+from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
 SMALL = {
     "ifca": {"n_clusters": 2},
@@ -57,20 +57,8 @@ def _same_run_on_both_backends(config, tmp_path: Path, rel: float = 0.0) -> list
     assert [(r.algorithm, r.seed) for r in results] == [
         (a.display_name(), 0) for a in config.algorithms
     ]
-    sim, flower = _rows(tmp_path / "sim/metrics.csv"), _rows(tmp_path / "flower/metrics.csv")
-    assert len(sim) == len(flower) == config.rounds * len(config.algorithms)
-    for a, b in zip(sim, flower, strict=True):
-        for column in a:
-            if column.endswith("seconds") or a[column] == b[column]:
-                continue
-            assert rel and float(a[column]) == pytest.approx(float(b[column]), rel=rel), (
-                a["algorithm"],
-                a["round"],
-                column,
-            )
-    assert (tmp_path / "sim/clusters.csv").read_text() == (
-        tmp_path / "flower/clusters.csv"
-    ).read_text()
+    sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel)
+    assert len(sim) == config.rounds * len(config.algorithms)
     return sim
 
 

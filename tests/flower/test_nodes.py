@@ -37,16 +37,9 @@ from fedcluster.flower.export import export_federation, export_for_nodes  # noqa
 from fedcluster.flower.nodedata import client_file  # noqa: E402
 from fedcluster.flower.server import FlowerBackends  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
-from tests.helpers import rotated_mnist5k  # noqa: E402
+from tests.flower.test_flower import SMALL  # noqa: E402
+from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
-SMALL = {
-    "ifca": {"n_clusters": 2},
-    "jgl": {"n_clusters": 2, "lam": 0.2},
-    "cflgt": {"pretrain_rounds": 1},
-    "flhc": {"pretrain_rounds": 1},
-    "cfl": {"warmup_rounds": 1},
-    "fesem": {"n_clusters": 2},
-}
 N_CLIENTS = 6
 
 
@@ -139,22 +132,6 @@ def _flower_run(config, grid, out: Path) -> None:
     Experiment(config, backend_factory=FlowerBackends(config, grid)).run(out, progress=False)
 
 
-def _same_metrics(sim_dir: Path, flower_dir: Path, rel: float) -> list[dict[str, str]]:
-    sim, flower = _rows(sim_dir / "metrics.csv"), _rows(flower_dir / "metrics.csv")
-    assert len(sim) == len(flower) > 0
-    for a, b in zip(sim, flower, strict=True):
-        for column in a:
-            if column.endswith("seconds") or a[column] == b[column]:
-                continue
-            assert float(a[column]) == pytest.approx(float(b[column]), rel=rel), (
-                a["algorithm"],
-                a["round"],
-                column,
-            )
-    assert (sim_dir / "clusters.csv").read_text() == (flower_dir / "clusters.csv").read_text()
-    return sim
-
-
 def test_split_clients_gives_each_client_its_own_request():
     """A node's message for several clients decodes to what ``Request.client(i)`` gives
     each of them: shared tensors once, own rows and picked rows, per-client settings
@@ -202,7 +179,7 @@ def test_several_clients_per_node_give_the_simulators_metrics(tmp_path):
     grid = LocalGrid(nodes)
     _flower_run(config, grid, tmp_path / "flower")
     Experiment(config).run(tmp_path / "sim", progress=False)
-    sim = _same_metrics(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
     purity = [float(r["purity"]) for r in sim if r["algorithm"] == "ifca" and r["purity"]]
     assert purity and max(purity) > 0.5  # the comparison is about real clustering
     # each node was asked only for its own clients, several in one message
@@ -223,7 +200,8 @@ def test_local_dp_noise_per_client_of_a_node(tmp_path, mode):
     nodes, _ = _nodes(config, tmp_path, 2)
     _flower_run(config, LocalGrid(nodes), tmp_path / "flower")
     Experiment(config).run(tmp_path / "sim", progress=False)
-    sim = _same_metrics(tmp_path / "sim", tmp_path / "flower", rel=0 if mode == "client" else 1e-5)
+    rel = 0.0 if mode == "client" else 1e-5
+    sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=rel)
     assert all(float(r["epsilon"]) > 0 for r in sim)
 
 
