@@ -44,11 +44,6 @@ CONFIG = {
 }
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _same_run_on_both_backends(config, tmp_path: Path, rel: float = 0.0) -> list[dict[str, str]]:
     """Run ``config`` in the simulator and on Flower; assert equal metrics.csv (timing
     aside; numbers within ``rel``) and clusters.csv; the simulator's metrics rows."""
