@@ -17,9 +17,10 @@ The server knows the federation only through what the nodes report in
 ids, their sample counts (for sample-weighted averaging), the ground-truth
 group where the node knows one (for purity), and the data shape (to build the
 model). A client the node cannot serve (its data file is corrupt) is logged
-with the node's error and stays in the federation; the node answers each
-request for it with that error, so it is a ``failed`` client every round, as
-in the simulator.
+with the node's error and stays in the federation, but is never asked: it
+is a ``failed`` client of every request, with that error as the reason, as
+the simulator's failing clients are. The clients of a node the SuperLink
+reports offline are treated the same from then on.
 """
 
 from __future__ import annotations
