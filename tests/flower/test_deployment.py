@@ -4,9 +4,9 @@ Each test starts a ``flower-superlink``, 4 ``flower-supernode`` processes
 holding 2 of the 8 clients each (each node given only its own data folder)
 and a long-lived ClientApp worker per node, runs the Flower App with ``flwr
 run``, and compares the run directory with the batched simulator's run of
-the same config. Three runs in all, each checking several things: TLS,
-authentication and equal metrics; a SIGKILLed node and a corrupt client
-file in one run; Ctrl-C. Marker ``deployment``; each test is bounded by the
+the same config. Three runs in all, each checking several things: equal
+metrics; a SIGKILLed node and a corrupt client file over TLS with SuperNode
+authentication; Ctrl-C. Marker ``deployment``; each test is bounded by the
 launcher's timeout and a SIGALRM guard.
 
 Minutes on a loaded 2-core machine (Flower's SuperNode polls for messages
@@ -117,15 +117,17 @@ IFCA_JGL = [
 ]
 
 
-def test_tls_authenticated_deployment_writes_the_simulators_metrics(tmp_path):
-    """IFCA and JGL on 4 nodes of 2 clients each, over TLS with SuperNode
-    authentication: the run directory equals the simulator's (to float rounding)."""
+def test_loopback_deployment_writes_the_simulators_metrics(tmp_path):
+    """IFCA and JGL on 4 nodes of 2 clients each: the run directory equals the
+    simulator's (to float rounding)."""
     config = _config(IFCA_JGL, rounds=3)
-    run = run_local(
-        config, tmp_path / "run", N_NODES, tls=True, auth=True, timeout=800, emit=lambda s: None
-    )
+    run = run_local(config, tmp_path / "run", N_NODES, timeout=800, emit=lambda s: None)
     assert json.loads((run / "summary.json").read_text())
-    nodes = _check_nodes(run)
+    _check_nodes(run)
+    _assert_same_as_simulator(config, run, tmp_path)
+
+
+def _check_tls_and_auth(run: Path, nodes: dict) -> None:
     assert nodes["superlink"]["tls"] and nodes["superlink"]["auth"]
     folder = run / "deployment"
     assert "https://127.0.0.1" in (folder / "superlink.log").read_text()
@@ -133,7 +135,6 @@ def test_tls_authenticated_deployment_writes_the_simulators_metrics(tmp_path):
     assert sorted(p.name for p in (folder / "keys").iterdir()) == sorted(
         [f"node-{k}" for k in range(N_NODES)] + [f"node-{k}.pub" for k in range(N_NODES)]
     )
-    _assert_same_as_simulator(config, run, tmp_path)
 
 
 def _corrupt_node_data(run: Path, node: int, client: int) -> None:
@@ -163,11 +164,12 @@ def _kill_node_after_round(run: Path, node: int, after: int) -> None:
 
 
 def test_a_killed_node_and_a_corrupt_file_become_failed_clients(tmp_path):
-    """IFCA then JGL, 3 rounds each, on 4 nodes: client 5's file on node 2 is corrupt
-    (the node serves its other client; the server's log names client 5 and the
-    node's error), and node 1 (clients 2 and 3) is SIGKILLed after IFCA's round 1.
-    The run completes, the lost clients are ``failed`` events, and the other
-    clients' clusters keep improving."""
+    """IFCA then JGL, 3 rounds each, on 4 nodes over TLS with SuperNode
+    authentication: client 5's file on node 2 is corrupt (the node serves its
+    other client; the server's log names client 5 and the node's error), and
+    node 1 (clients 2 and 3) is SIGKILLed after IFCA's round 1. The run
+    completes, the lost clients are ``failed`` events, and the other clients'
+    clusters keep improving."""
     config = _config(
         IFCA_JGL,
         rounds=3,
@@ -176,8 +178,8 @@ def test_a_killed_node_and_a_corrupt_file_become_failed_clients(tmp_path):
     run = tmp_path / "run"
     threading.Thread(target=_corrupt_node_data, args=(run, 2, 5), daemon=True).start()
     threading.Thread(target=_kill_node_after_round, args=(run, 1, 1), daemon=True).start()
-    run_local(config, run, N_NODES, timeout=800, emit=lambda s: None)
-    _check_nodes(run)
+    run_local(config, run, N_NODES, tls=True, auth=True, timeout=800, emit=lambda s: None)
+    _check_tls_and_auth(run, _check_nodes(run))
     server_log = (run / "deployment/flwr-run.log").read_text()
     setup = [ln for ln in server_log.splitlines() if "query.setup: client 5" in ln]
     assert setup and client_file(5) in setup[0] and "SHA-256 differs" in setup[0]
