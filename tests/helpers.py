@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -219,3 +220,30 @@ def assert_same_training(
     tol = training_tolerance(model, input_shape, cfg, steps, got, want)
     diff = float((got - want).detach().abs().max())
     assert diff <= tol, f"max |difference| {diff:.3g} > float32 bound {tol:.3g}"
+
+
+def assert_same_run(expected: Path, got: Path, rel: float = 0.0) -> list[dict[str, str]]:
+    """Two run directories of one config (e.g. the simulator's and a Flower run's) hold
+    the same ``metrics.csv`` (timing columns aside; numbers within ``rel``, equal when
+    0) and ``clusters.csv``; the expected run's metrics rows."""
+    import csv
+
+    import pytest
+
+    def rows(path: Path) -> list[dict[str, str]]:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    want, have = rows(expected / "metrics.csv"), rows(got / "metrics.csv")
+    assert len(want) == len(have) > 0
+    for a, b in zip(want, have, strict=True):
+        for column in a:
+            if column.endswith("seconds") or a[column] == b[column]:
+                continue
+            assert rel and float(a[column]) == pytest.approx(float(b[column]), rel=rel), (
+                a["algorithm"],
+                a["round"],
+                column,
+            )
+    assert (expected / "clusters.csv").read_text() == (got / "clusters.csv").read_text()
+    return want

@@ -131,7 +131,9 @@ def _flower_parsers(sub: argparse._SubParsersAction) -> None:
     local = fsub.add_parser("local", help="run on a SuperLink and N SuperNodes on loopback")
     _common(local)
     local.add_argument("--seed", type=int, help="random seed")
-    local.add_argument("--nodes", type=int, required=True, help="number of SuperNodes")
+    local.add_argument(
+        "--nodes", type=int, required=True, help="number of SuperNodes (clients spread over them)"
+    )
     local.add_argument("--tls", action="store_true", help="TLS with a throwaway CA")
     local.add_argument("--auth", action="store_true", help="SuperNode authentication")
     local.add_argument("--timeout", type=float, help="stop the run after this many seconds")

@@ -61,7 +61,9 @@ class FakeGrid:
                     SimpleNamespace(
                         metadata=SimpleNamespace(reply_to_message_id=mid),
                         has_error=lambda e=error: e is not None,
-                        error=SimpleNamespace(reason=error),
+                        error=SimpleNamespace(
+                            reason=error, code=5 if error == "Node Unavailable" else 0
+                        ),
                         content=mid,
                     )
                 )
@@ -124,3 +126,11 @@ def test_required_counts_and_the_deployment_settings():
     for bad in ({"round_timeout": 0}, {"min_replies": 0}, {"min_replies": 1.5}, {"wait": 1}):
         with pytest.raises(ConfigError, match="deployment"):
             validate_config({"deployment": bad})
+
+
+def test_a_node_the_superlink_reports_offline_is_marked():
+    got, _, _ = _run(
+        [(0.0, None), (0.0, "Node Unavailable"), (0.0, "boom")], [0, 1, 2], min_replies=0.3
+    )
+    assert got.offline == {1}
+    assert got.failures == {1: "node error: Node Unavailable", 2: "node error: boom"}

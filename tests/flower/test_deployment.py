@@ -1,13 +1,17 @@
 """A real Flower deployment on loopback (``fedcluster flower local``).
 
-Each test starts a ``flower-superlink``, one ``flower-supernode`` per client
-(each given only its own data folder) and a long-lived ClientApp worker per
-node, runs the Flower App with ``flwr run``, and compares the run directory
-with the batched simulator's run of the same config. Marker ``deployment``;
-each test is bounded by the launcher's timeout and a SIGALRM guard.
+Each test starts a ``flower-superlink``, 4 ``flower-supernode`` processes
+holding 2 of the 8 clients each (each node given only its own data folder)
+and a long-lived ClientApp worker per node, runs the Flower App with ``flwr
+run``, and compares the run directory with the batched simulator's run of
+the same config. Three runs in all, each checking several things: equal
+metrics; a SIGKILLed node and a corrupt client file over TLS with SuperNode
+authentication; Ctrl-C. Marker ``deployment``; each test is bounded by the
+launcher's timeout and a SIGALRM guard.
 
 Minutes on a loaded 2-core machine (Flower's SuperNode polls for messages
-every 3 s): run them alone, ``pytest -m deployment tests/flower/test_deployment.py``.
+every 3 s, and the SuperLink declares a killed node offline after 60 s): run
+them alone, ``pytest -m deployment tests/flower/test_deployment.py``.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ pytest.importorskip("flwr", reason="deployment needs `pip install 'fedcluster[fl
 
 from fedcluster.config import validate_config  # noqa: E402
 from fedcluster.errors import FedclusterError  # noqa: E402
-from fedcluster.flower.launcher import DeploymentError, run_local  # noqa: E402
+from fedcluster.flower.launcher import run_local  # noqa: E402
 from fedcluster.flower.nodedata import client_file  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
-from tests.helpers import rotated_mnist5k  # noqa: E402
+from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
 pytestmark = pytest.mark.deployment
 
-N_CLIENTS = 4
+N_CLIENTS = 8
+N_NODES = 4
+BLOCKS = [[0, 1], [2, 3], [4, 5], [6, 7]]  # the clients of each node
 
 
 def _config(algorithms, rounds: int = 3, **extra):
@@ -83,28 +89,17 @@ def _alive(pid: int) -> bool:
 
 def _assert_same_as_simulator(config, run: Path, tmp_path: Path) -> None:
     Experiment(config).run(tmp_path / "sim", progress=False)
-    sim, dep = _rows(tmp_path / "sim/metrics.csv"), _rows(run / "metrics.csv")
-    assert len(sim) == len(dep) == config.rounds * len(config.algorithms)
-    for a, b in zip(sim, dep, strict=True):
-        for column in a:
-            if column.endswith("seconds"):
-                continue
-            if a[column] != b[column]:  # float rounding only
-                assert float(a[column]) == pytest.approx(float(b[column]), rel=1e-6), (
-                    a["algorithm"],
-                    a["round"],
-                    column,
-                )
-    assert (tmp_path / "sim/clusters.csv").read_text() == (run / "clusters.csv").read_text()
+    rows = assert_same_run(tmp_path / "sim", run, rel=1e-6)  # float rounding only
+    assert len(rows) == config.rounds * len(config.algorithms)
 
 
 def _check_nodes(run: Path) -> dict:
     nodes = json.loads((run / "deployment/nodes.json").read_text())
-    assert [n["clients"] for n in nodes["nodes"]] == [[c] for c in range(N_CLIENTS)]
+    assert [n["clients"] for n in nodes["nodes"]] == BLOCKS
     for n in nodes["nodes"]:
-        # each node was given a folder with its own client's file and nothing else
+        # each node was given a folder with its own clients' files and nothing else
         files = sorted(p.name for p in Path(n["data"]).iterdir())
-        assert files == sorted([client_file(n["clients"][0]), "manifest.json"])
+        assert files == sorted([*map(client_file, n["clients"]), "manifest.json"])
         manifest = json.loads((Path(n["data"]) / "manifest.json").read_text())
         assert [c["client"] for c in manifest["clients"]] == n["clients"]
         assert Path(n["log"]).is_file()
@@ -116,72 +111,41 @@ def _check_nodes(run: Path) -> dict:
     return nodes
 
 
+IFCA_JGL = [
+    {"name": "ifca", "params": {"n_clusters": 2}},
+    {"name": "jgl", "params": {"n_clusters": 2, "lam": 0.2}},
+]
+
+
 def test_loopback_deployment_writes_the_simulators_metrics(tmp_path):
-    config = _config([{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": 2}}], rounds=3)
-    run = run_local(config, tmp_path / "run", N_CLIENTS, timeout=800, emit=lambda s: None)
+    """IFCA and JGL on 4 nodes of 2 clients each: the run directory equals the
+    simulator's (to float rounding)."""
+    config = _config(IFCA_JGL, rounds=3)
+    run = run_local(config, tmp_path / "run", N_NODES, timeout=800, emit=lambda s: None)
     assert json.loads((run / "summary.json").read_text())
     _check_nodes(run)
     _assert_same_as_simulator(config, run, tmp_path)
 
 
-def test_tls_and_supernode_authentication(tmp_path):
-    config = _config([{"name": "fedavg"}], rounds=2)
-    run = run_local(
-        config, tmp_path / "run", N_CLIENTS, tls=True, auth=True, timeout=800, emit=lambda s: None
-    )
-    nodes = _check_nodes(run)
+def _check_tls_and_auth(run: Path, nodes: dict) -> None:
     assert nodes["superlink"]["tls"] and nodes["superlink"]["auth"]
     folder = run / "deployment"
     assert "https://127.0.0.1" in (folder / "superlink.log").read_text()
-    assert (folder / "auth.log").read_text().count("registered successfully") == N_CLIENTS
+    assert (folder / "auth.log").read_text().count("registered successfully") == N_NODES
     assert sorted(p.name for p in (folder / "keys").iterdir()) == sorted(
-        [f"node-{k}" for k in range(N_CLIENTS)] + [f"node-{k}.pub" for k in range(N_CLIENTS)]
+        [f"node-{k}" for k in range(N_NODES)] + [f"node-{k}.pub" for k in range(N_NODES)]
     )
-    _assert_same_as_simulator(config, run, tmp_path)
 
 
-def _corrupt_node_data(run: Path, client: int) -> None:
+def _corrupt_node_data(run: Path, node: int, client: int) -> None:
     """Flip a byte of one client's file once the launcher has placed it."""
-    path = run / f"deployment/data/node-{client}" / client_file(client)
+    path = run / f"deployment/data/node-{node}" / client_file(client)
     end = time.monotonic() + 300
     while not path.exists() and time.monotonic() < end:
         time.sleep(0.05)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-
-
-def test_a_corrupt_node_file_is_named_in_the_error(tmp_path):
-    """Today: the run stops with the node's own error (file and reason), not a hang."""
-    config = _config([{"name": "fedavg"}], rounds=1, deployment={"round_timeout": 60})
-    run = tmp_path / "run"
-    threading.Thread(target=_corrupt_node_data, args=(run, 2), daemon=True).start()
-    with pytest.raises(DeploymentError) as err:
-        run_local(config, run, N_CLIENTS, timeout=600, emit=lambda s: None)
-    message = str(err.value)
-    assert "\n" not in message
-    assert client_file(2) in message and "SHA-256 differs" in message
-    _check_nodes(run)
-
-
-@pytest.mark.xfail(
-    strict=False,
-    raises=DeploymentError,
-    reason="a node that fails its query.setup still stops the run: flower/backend.py "
-    "discover() raises through _receive; it should leave the node's clients out (or mark "
-    "them failed) as FlowerBackend.run does for later requests",
-)
-def test_a_corrupt_node_is_left_out_and_the_run_continues(tmp_path):
-    config = _config(
-        [{"name": "fedavg"}],
-        rounds=2,
-        deployment={"round_timeout": 60, "min_replies": 0.5},
-    )
-    run = tmp_path / "run"
-    threading.Thread(target=_corrupt_node_data, args=(run, 2), daemon=True).start()
-    run_local(config, run, N_CLIENTS, timeout=600, emit=lambda s: None)
-    events = _rows(run / "events.csv")
-    assert any(e["client"] == "2" and e["kind"] == "failed" for e in events)
 
 
 def _kill_node_after_round(run: Path, node: int, after: int) -> None:
@@ -199,24 +163,45 @@ def _kill_node_after_round(run: Path, node: int, after: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_a_node_killed_after_round_one_becomes_failed_events(tmp_path):
+def test_a_killed_node_and_a_corrupt_file_become_failed_clients(tmp_path):
+    """IFCA then JGL, 3 rounds each, on 4 nodes over TLS with SuperNode
+    authentication: client 5's file on node 2 is corrupt (the node serves its
+    other client; the server's log names client 5 and the node's error), and
+    node 1 (clients 2 and 3) is SIGKILLed after IFCA's round 1. The run
+    completes, the lost clients are ``failed`` events, and the other clients'
+    clusters keep improving."""
     config = _config(
-        [{"name": "ifca", "params": {"n_clusters": 2}}],
+        IFCA_JGL,
         rounds=3,
-        deployment={"round_timeout": 30, "min_replies": 0.5},
+        deployment={"round_timeout": 20, "min_replies": 0.5},
     )
     run = tmp_path / "run"
+    threading.Thread(target=_corrupt_node_data, args=(run, 2, 5), daemon=True).start()
     threading.Thread(target=_kill_node_after_round, args=(run, 1, 1), daemon=True).start()
-    run_local(config, run, N_CLIENTS, timeout=800, emit=lambda s: None)
+    run_local(config, run, N_NODES, tls=True, auth=True, timeout=800, emit=lambda s: None)
+    _check_tls_and_auth(run, _check_nodes(run))
+    server_log = (run / "deployment/flwr-run.log").read_text()
+    setup = [ln for ln in server_log.splitlines() if "query.setup: client 5" in ln]
+    assert setup and client_file(5) in setup[0] and "SHA-256 differs" in setup[0]
     events = _rows(run / "events.csv")
-    failed = {(int(e["round"]), e["client"]) for e in events if e["kind"] == "failed"}
-    # only that client, and in the last round at least (round 2 too, unless its node
-    # answered round 2's first request in the 0.2 s before the kill)
-    assert {c for _, c in failed} == {"1"} and (3, "1") in failed
+    failed: dict[str, set[tuple[int, str]]] = {}
+    for e in events:
+        if e["kind"] == "failed":
+            failed.setdefault(e["algorithm"], set()).add((int(e["round"]), e["client"]))
+    # the corrupt client in every round of both jobs
+    assert all((r, "5") in failed[a] for a in ("ifca", "jgl") for r in (1, 2, 3))
+    # the killed node's clients: in IFCA's last round (round 2 too, unless their node
+    # answered round 2's first request in the 0.2 s before the kill) and all of JGL's
+    assert {(3, "2"), (3, "3")} <= failed["ifca"]
+    assert not {c for r, c in failed["ifca"] if r == 1} - {"5"}
+    assert {(r, c) for r in (1, 2, 3) for c in ("2", "3", "5")} == failed["jgl"]
     rows = _rows(run / "metrics.csv")
-    assert [int(r["failed"]) for r in rows][0::2] == [0, 1]
-    acc = [float(r["accuracy"]) for r in rows]
-    assert acc[-1] > acc[0]  # the other clients' clusters keep improving
+    for algorithm in ("ifca", "jgl"):
+        mine = [r for r in rows if r["algorithm"] == algorithm]
+        assert [int(r["round"]) for r in mine] == [1, 2, 3]
+        assert int(mine[-1]["failed"]) == 3
+        acc = [float(r["accuracy"]) for r in mine]
+        assert acc[-1] > acc[0]  # the other clients' clusters keep improving
 
 
 def test_bad_launcher_input_is_one_line(tmp_path):
@@ -224,11 +209,11 @@ def test_bad_launcher_input_is_one_line(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full/x").write_text("x")
     with pytest.raises(FedclusterError, match="not empty"):
-        run_local(config, tmp_path / "full", N_CLIENTS)
+        run_local(config, tmp_path / "full", N_NODES)
     with pytest.raises(FedclusterError, match="one seed per deployment"):
-        run_local(config.model_copy(update={"seeds": [0, 1]}), tmp_path / "seeds", N_CLIENTS)
-    with pytest.raises(FedclusterError, match="--nodes 2: .*use --nodes 4"):
-        run_local(config, tmp_path / "nodes", 2, emit=lambda s: None)
+        run_local(config.model_copy(update={"seeds": [0, 1]}), tmp_path / "seeds", N_NODES)
+    with pytest.raises(FedclusterError, match=f"--nodes 9: needs 1..{N_CLIENTS}"):
+        run_local(config, tmp_path / "nodes", 9, emit=lambda s: None)
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
@@ -243,7 +228,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cli = [sys.executable, "-m", "fedcluster.cli", "flower", "local", str(config)]
     proc = subprocess.Popen(
-        [*cli, "--nodes", str(N_CLIENTS), "--out", str(run)],
+        [*cli, "--nodes", str(N_NODES), "--out", str(run)],
         env=env,
         # a test run started in the background inherits SIGINT ignored (POSIX shells do
         # that to `&` jobs); a user's terminal does not

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,10 +17,9 @@ pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcl
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
 from fedcluster.config import validate_config  # noqa: E402
 from fedcluster.errors import ConfigError  # noqa: E402
-from fedcluster.flower.backend import FlowerClientError, _receive  # noqa: E402
 from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
-from tests.helpers import rotated_mnist5k  # noqa: E402
+from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
 SMALL = {
     "ifca": {"n_clusters": 2},
@@ -46,11 +44,6 @@ CONFIG = {
 }
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _same_run_on_both_backends(config, tmp_path: Path, rel: float = 0.0) -> list[dict[str, str]]:
     """Run ``config`` in the simulator and on Flower; assert equal metrics.csv (timing
     aside; numbers within ``rel``) and clusters.csv; the simulator's metrics rows."""
@@ -59,20 +52,8 @@ def _same_run_on_both_backends(config, tmp_path: Path, rel: float = 0.0) -> list
     assert [(r.algorithm, r.seed) for r in results] == [
         (a.display_name(), 0) for a in config.algorithms
     ]
-    sim, flower = _rows(tmp_path / "sim/metrics.csv"), _rows(tmp_path / "flower/metrics.csv")
-    assert len(sim) == len(flower) == config.rounds * len(config.algorithms)
-    for a, b in zip(sim, flower, strict=True):
-        for column in a:
-            if column.endswith("seconds") or a[column] == b[column]:
-                continue
-            assert rel and float(a[column]) == pytest.approx(float(b[column]), rel=rel), (
-                a["algorithm"],
-                a["round"],
-                column,
-            )
-    assert (tmp_path / "sim/clusters.csv").read_text() == (
-        tmp_path / "flower/clusters.csv"
-    ).read_text()
+    sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel)
+    assert len(sim) == config.rounds * len(config.algorithms)
     return sim
 
 
@@ -115,39 +96,3 @@ def test_unsupported_settings_are_refused_before_anything_runs(change, field):
     config = validate_config({**CONFIG, **change})
     with pytest.raises(ConfigError, match=field):
         check_supported(config)
-
-
-class _Grid:
-    """A grid whose nodes answer from ``answers`` (node id -> reply or None: silent)."""
-
-    def __init__(self, answers):
-        self.answers = answers
-
-    def send_and_receive(self, messages, timeout=None):
-        return [a for a in (self.answers[m.metadata.dst_node_id] for m in messages) if a]
-
-
-def _message(node):
-    return SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node))
-
-
-def _reply(node, error=None):
-    return SimpleNamespace(
-        metadata=SimpleNamespace(src_node_id=node),
-        has_error=lambda: error is not None,
-        error=SimpleNamespace(reason=error),
-    )
-
-
-def test_replies_come_back_in_request_order_and_failures_name_the_client():
-    grid = _Grid({7: _reply(7), 3: _reply(3)})
-    replies = _receive(grid, [_message(3), _message(7)], None, ["client 0", "client 1"])
-    assert [r.metadata.src_node_id for r in replies] == [3, 7]
-    grid = _Grid({7: _reply(7, "out of memory"), 3: _reply(3)})
-    with pytest.raises(FlowerClientError, match="client 1 failed: out of memory"):
-        _receive(grid, [_message(3), _message(7)], None, ["client 0", "client 1"])
-    grid = _Grid({7: None, 3: _reply(3)})
-    with pytest.raises(FlowerClientError, match="no reply .* from client 1"):
-        _receive(grid, [_message(3), _message(7)], 1.0, ["client 0", "client 1"])
-    with pytest.raises(ValueError, match="asked twice"):
-        _receive(grid, [_message(3), _message(3)], None, ["client 0", "client 0"])

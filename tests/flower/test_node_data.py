@@ -19,7 +19,13 @@ import torch
 from fedcluster.config import validate_config
 from fedcluster.errors import DataError, FedclusterError
 from fedcluster.flower.export import export_federation, export_for_nodes, spread_clients
-from fedcluster.flower.nodedata import client_file, load_node_clients, read_manifest, sha256
+from fedcluster.flower.nodedata import (
+    client_file,
+    load_node_client,
+    load_node_clients,
+    read_manifest,
+    sha256,
+)
 from fedcluster.runner import build_federation_for
 from tests.helpers import rotated_mnist5k
 
@@ -72,6 +78,24 @@ def test_node_folders_hold_only_their_clients(exported, tmp_path):
         assert sorted(load_node_clients(folder)) == clients
     # one client's file: the manifest beside it says which client it is
     assert list(load_node_clients(out / client_file(4))) == [4]
+    # a node's manifest lists its clients and the whole federation's size
+    for folder, clients in folders:
+        manifest = read_manifest(folder)
+        assert sorted(manifest.clients) == clients and manifest.n_clients == 5
+
+
+def test_one_client_of_a_node_is_read_without_opening_the_others(exported, tmp_path):
+    _, out = exported
+    folder = _copy(out, tmp_path / "node", client=1).parent
+    (folder / client_file(2)).write_bytes(b"not an npz")  # another client's file, broken
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["clients"] = [c for c in manifest["clients"] if c["client"] in (1, 2)]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert torch.equal(load_node_client(folder, 1).y_train, load_node_clients(out)[1].y_train)
+    with pytest.raises(DataError, match=f"{client_file(2)}: SHA-256 differs"):
+        load_node_client(folder, 2)
+    with pytest.raises(DataError, match="holds clients \\[1, 2\\], not client 3"):
+        load_node_client(folder, 3)
 
 
 def _copy(out: Path, dest: Path, client: int = 1) -> Path:

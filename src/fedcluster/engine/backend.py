@@ -44,8 +44,8 @@ class Backend(Protocol):
     """Runs any registered client computation for many clients (DESIGN principle 1).
 
     The simulator runs a computation's batched form over the packed
-    federation; the Flower backend sends one message per client to the node
-    that holds it. ``seconds`` is the time spent in client computations.
+    federation; the Flower backend sends one message per node, for the
+    node's clients among those asked. ``seconds`` is the time spent in client computations.
     """
 
     federation: FederationView

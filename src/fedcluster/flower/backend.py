@@ -2,24 +2,31 @@
 
 :class:`FlowerBackend` provides the Backend protocol
 (:class:`~fedcluster.engine.backend.Backend`) like the simulator, but each
-:meth:`~FlowerBackend.run` becomes one Flower message per client, sent
-through the ServerApp's :class:`flwr.serverapp.Grid` to the node that holds
-the client (:mod:`fedcluster.flower.client`), which runs the same
-computation on its own data; the replies are checked against the
-computation's declared reply and stacked. The algorithms run unchanged on it
-(DESIGN principle 1): what a client computes and uploads is the same, and
-the server never sees client data. It names no computation: a new one needs
-no edit here.
+:meth:`~FlowerBackend.run` becomes one Flower message per node, sent through
+the ServerApp's :class:`flwr.serverapp.Grid` and carrying every client of
+that node that was asked (:func:`fedcluster.flower.protocol.encode_clients`);
+the node (:mod:`fedcluster.flower.client`) runs the same computation for each
+of them on its own data, one client at a time. The replies are checked
+against the computation's declared reply and stacked. The algorithms run
+unchanged on it (DESIGN principle 1): what a client computes and uploads is
+the same, and the server never sees client data. It names no computation: a
+new one needs no edit here.
 
 The server knows the federation only through what the nodes report in
-``query.setup`` (:class:`FederationInfo`): client ids, sample counts (for
-sample-weighted averaging), the ground-truth group where the node knows one
-(for purity), and the data shape (to build the model).
+``query.setup`` (:func:`discover`, :class:`FederationInfo`): each node's client
+ids, their sample counts (for sample-weighted averaging), the ground-truth
+group where the node knows one (for purity), and the data shape (to build the
+model). A client the node cannot serve (its data file is corrupt) is logged
+with the node's error and stays in the federation, but is never asked: it
+is a ``failed`` client of every request, with that error as the reason, as
+the simulator's failing clients are. The clients of a node the SuperLink
+reports offline are treated the same from then on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import Message
@@ -36,7 +43,9 @@ from fedcluster.engine.computation import (
 )
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.flower import protocol
-from fedcluster.flower.collect import collect
+from fedcluster.flower.collect import check_enough, collect
+
+log = logging.getLogger(__name__)
 
 
 class FlowerClientError(RuntimeError):
@@ -52,6 +61,9 @@ class FederationInfo:
     groups: np.ndarray | None
     n_classes: int
     input_shape: tuple[int, ...]
+    unavailable: dict[int, str] = field(default_factory=dict)
+    """Client -> why its node cannot serve it (its ``query.setup`` error, e.g. a corrupt
+    data file): it is not asked again, and fails every request with that reason."""
 
     @property
     def n_clients(self) -> int:
@@ -61,9 +73,14 @@ class FederationInfo:
 def discover(
     grid: Grid, experiment: str, seed: int, timeout: float | None = None
 ) -> tuple[FederationInfo, dict[int, int]]:
-    """Ask every connected node which client it holds; the federation and client → node map.
+    """Ask every connected node which clients it holds; the federation and client → node map.
 
-    Every client id 0..n−1 must be held by exactly one node.
+    Every client id 0..n−1 must be held by exactly one node that answered (n:
+    the federation's size the nodes' manifests give, else the ids reported).
+    A client its node cannot serve is logged with the node's error and kept
+    (it will fail each request); a node that fails or does not answer is
+    logged, and ends discovery with one line only when its clients are then
+    missing.
     """
     nodes = sorted(grid.get_node_ids())
     if not nodes:
@@ -73,40 +90,58 @@ def discover(
         Message(protocol.request({}, config), dst_node_id=n, message_type=protocol.SETUP)
         for n in nodes
     ]
-    replies = _receive(grid, messages, timeout, [f"node {n}" for n in nodes])
-    infos = [protocol.settings(r.content) for r in replies]
-    clients = [int(i["client"]) for i in infos]
-    if sorted(clients) != list(range(len(clients))):
+    what = protocol.SETUP
+    got = collect(grid, messages, nodes, timeout, None, what=what, name=lambda n: f"node {n}")
+    held: dict[int, tuple[int, dict]] = {}
+    totals: set[int] = set()
+    shape: tuple[int, tuple[int, ...]] | None = None
+    for node, reply in got.replies.items():
+        info = protocol.settings(reply.content)
+        totals.add(int(info["n_clients"]))
+        shape = shape or (int(info["n_classes"]), tuple(int(s) for s in info["input_shape"]))
+        for j, c in enumerate(info[protocol.CLIENTS]):
+            head = protocol.prefix(j)
+            if int(c) in held:
+                raise FlowerClientError(
+                    f"client {c} is held by nodes {held[int(c)][0]} and {node}; "
+                    "give each client's data to one node"
+                )
+            one = {k[len(head) :]: v for k, v in info.items() if k.startswith(head)}
+            held[int(c)] = (int(node), one)
+            if protocol.ERROR in one:
+                log.warning(
+                    "%s: client %s (node %s) cannot take part; it is left out and fails "
+                    "every request: %s",
+                    what,
+                    c,
+                    node,
+                    one[protocol.ERROR],
+                )
+    totals.discard(-1)
+    if len(totals) > 1:
         raise FlowerClientError(
-            f"the {len(nodes)} nodes hold clients {sorted(clients)}; expected each of "
-            f"0..{len(nodes) - 1} once (one node per client)"
+            f"the nodes' data come from federations of {sorted(totals)} clients"
         )
-    order = np.argsort(clients)
-    info = [infos[i] for i in order]
+    n = totals.pop() if totals else len(held)
+    missing = sorted(set(range(n)) - set(held))
+    extra = sorted(set(held) - set(range(n)))
+    if missing or extra or shape is None:
+        lost = "; ".join(f"node {k}: {r}" for k, r in got.failures.items()) or "none"
+        raise FlowerClientError(
+            f"clients {missing or extra} of 0..{n - 1} are held by no node that answered "
+            f"{what} (nodes that failed: {lost})"
+        )
+    info = [held[c][1] for c in range(n)]
     groups = np.array([int(i["group"]) for i in info])
     federation = FederationInfo(
         train_sizes=np.array([int(i["train_size"]) for i in info]),
         test_sizes=np.array([int(i["test_size"]) for i in info]),
         groups=None if (groups < 0).any() else groups,
-        n_classes=int(info[0]["n_classes"]),
-        input_shape=tuple(int(s) for s in info[0]["input_shape"]),
+        n_classes=shape[0],
+        input_shape=shape[1],
+        unavailable={c: str(i[protocol.ERROR]) for c, i in enumerate(info) if protocol.ERROR in i},
     )
-    return federation, dict(zip(clients, nodes, strict=True))
-
-
-def _receive(
-    grid: Grid, messages: list[Message], timeout: float | None, names: list[str]
-) -> list[Message]:
-    """Replies to ``messages`` (at most one per node) in their order; an error names
-    the client or node that failed."""
-    answers = _collect(grid, messages, timeout)
-    for name, answer in zip(names, answers, strict=True):
-        if isinstance(answer, str):
-            raise FlowerClientError(f"{name} failed: {answer.removeprefix('node error: ')}")
-    missing = [name for name, answer in zip(names, answers, strict=True) if answer is None]
-    if missing:
-        raise FlowerClientError(f"no reply within the timeout from {', '.join(missing)}")
-    return [a for a in answers if a is not None and not isinstance(a, str)]
+    return federation, {c: held[c][0] for c in range(n)}
 
 
 class FlowerBackend(ClientClock):
@@ -122,8 +157,12 @@ class FlowerBackend(ClientClock):
         seed: int,
         timeout: float | None = None,
         min_replies: float = 1.0,
+        offline: dict[int, str] | None = None,
     ) -> None:
         self.grid = grid
+        self.offline = {} if offline is None else offline
+        """Node -> why: nodes the SuperLink reported offline, not asked again (shared
+        by the jobs of a seed)."""
         self.min_replies = min_replies
         self.model = model
         self.layout = ParamLayout(model)
@@ -136,14 +175,19 @@ class FlowerBackend(ClientClock):
     def run(
         self, computation: ClientComputation, clients: np.ndarray, request: Request
     ) -> Returned:
-        """One message per client to the node that holds it; the replies checked
+        """One message per node for its clients among ``clients``; the replies checked
         against the computation's declared reply (:func:`assemble`).
 
-        A node that fails (its error travels back) or does not answer within
-        ``timeout`` (``deployment.round_timeout``) is reported as failed: the
-        channel treats it like the simulator's failing clients. Fewer replies
-        than ``min_replies`` (a fraction of those asked) end the run with one
-        line naming the clients and their errors (:func:`~fedcluster.flower.collect.collect`).
+        A client whose node fails (its error travels back), who fails on its node,
+        or whose node does not answer within ``timeout``
+        (``deployment.round_timeout``) is reported as failed: the channel treats it
+        like the simulator's failing clients. Fewer replies than ``min_replies`` (a
+        fraction of the clients asked) end the run with one line naming the
+        clients and their errors (:func:`~fedcluster.flower.collect.check_enough`).
+        A client its node declared unavailable at setup, or whose node the
+        SuperLink has reported offline (no heartbeat for 2 × its interval, 60 s
+        by default), is not asked (it fails with that reason) and does not count
+        towards ``min_replies``: the run goes on without it.
         """
         clients = np.asarray(clients, dtype=np.int64)
         base = {
@@ -152,48 +196,63 @@ class FlowerBackend(ClientClock):
             "computation": computation.name,
             "computation_module": computation.module,
         }
-        messages = []
+        replies: list[Payload | str | None] = [None] * len(clients)
+        unavailable = self.federation.unavailable
+        by_node: dict[int, list[int]] = {}
         for i, c in enumerate(clients):
-            one = request.client(i)
-            config = {**base, **protocol.encode_settings(one.settings, int(c))}
-            for key, value in protocol.encode_settings(
-                one.own_settings[0] if one.own_settings else {}, int(c)
-            ).items():
-                config[protocol.OWN + key] = value
+            node = self.nodes[int(c)]
+            if int(c) in unavailable:  # its node said so at setup: not asked again
+                replies[i] = f"unavailable: {unavailable[int(c)]}"
+            elif node in self.offline:
+                replies[i] = f"unavailable: its node is offline ({self.offline[node]})"
+            else:
+                by_node.setdefault(node, []).append(i)
+        messages = []
+        for node, positions in by_node.items():
+            arrays, config = protocol.encode_clients(request, positions, clients[positions])
             messages.append(
                 Message(
-                    protocol.request(protocol.encode_request(one), config),
-                    dst_node_id=self.nodes[int(c)],
+                    protocol.request(arrays, {**base, **config}),
+                    dst_node_id=node,
                     message_type=protocol.message_type(computation.name),
                 )
             )
-        keys = list(range(len(messages)))
+        what = f"{computation.name} (clients {', '.join(map(str, clients))})"
         with self.timed():
             got = collect(
                 self.grid,
                 messages,
-                keys,
+                list(by_node),
                 self.timeout,
-                self.min_replies,
-                what=f"{computation.name} (clients {', '.join(map(str, clients))})",
+                None,
+                what=what,
+                name=lambda n: f"node {n} (clients {', '.join(map(str, clients[by_node[n]]))})",
             )
-        replies: list[Payload | str | None] = [
-            protocol.tensors(got.replies[i].content) if i in got.replies else got.failures[i]
-            for i in keys
-        ]
+        for node in got.offline:
+            self.offline[node] = got.failures[node]
+            log.warning(
+                "%s: node %s is offline; its clients (%s) are not asked again: %s",
+                what,
+                node,
+                ", ".join(str(c) for c, n in self.nodes.items() if n == node),
+                got.failures[node],
+            )
+        for node, positions in by_node.items():
+            if node in got.replies:
+                answers = protocol.decode_replies(got.replies[node].content, len(positions))
+            else:
+                answers = [got.failures[node]] * len(positions)
+            for i, answer in zip(positions, answers, strict=True):
+                replies[i] = answer
+                if isinstance(answer, str) and node in got.replies:
+                    log.warning("%s: client %d failed: %s", what, clients[i], answer)
+        asked = [i for positions in by_node.values() for i in positions]
+        failures = {int(clients[i]): replies[i] for i in asked if isinstance(replies[i], str)}
+        check_enough(
+            what,
+            len(asked),
+            len(asked) - len(failures),
+            self.min_replies,
+            "; ".join(f"client {c}: {r}" for c, r in failures.items()),
+        )
         return assemble(computation, request, replies)
-
-
-def _collect(
-    grid: Grid, messages: list[Message], timeout: float | None
-) -> list[Message | str | None]:
-    """Each message's reply, the error its node sent (a string), or None (no reply in time)."""
-    by_node = {m.metadata.dst_node_id: i for i, m in enumerate(messages)}
-    if len(by_node) != len(messages):
-        raise ValueError("one request per node and call: a client was asked twice")
-    out: list[Message | str | None] = [None] * len(messages)
-    for r in grid.send_and_receive(messages, timeout=timeout):
-        i = by_node.get(r.metadata.src_node_id)
-        if i is not None:
-            out[i] = f"node error: {r.error.reason}" if r.has_error() else r
-    return out

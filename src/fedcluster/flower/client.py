@@ -1,12 +1,15 @@
 """The ClientApp: one client's computations on a Flower SuperNode (DESIGN principle 1).
 
-A node holds one client of the experiment's federation, named by its node
-config's ``partition-id`` (what Flower's simulation engine and ``flwr run``
-deployments set). From the experiment config carried in each message it
-builds that client's data (the config's dataset and partition, as the
-simulator does) and model once per process. Every request names a
-registered client computation (:mod:`fedcluster.engine.computation`) and the
-module that defines it; one generic handler runs it on a one-client
+A node holds the clients found in its node-local data path (node config
+``data``: a folder of several clients' files or one client's file,
+:mod:`fedcluster.flower.nodedata`), or, on Flower's simulation engine, the
+one client named by its ``partition-id``, whose data it builds from the
+experiment config carried in each message (the config's dataset and
+partition, as the simulator does). Each client's data and model are loaded
+once per process. Every request names a registered client computation
+(:mod:`fedcluster.engine.computation`), the module that defines it, and the
+clients it is for (:func:`fedcluster.flower.protocol.split_clients`); one
+generic handler runs it for each of them on that client's one-client
 :class:`~fedcluster.engine.simulator.Simulator` -- with the client's global
 id seeding its batches, so both backends compute the same numbers (to float
 rounding: the node's products have other shapes than the simulator's
@@ -18,11 +21,14 @@ as the ClientApp (docs/flower.md).
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+import torch
 import yaml
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
@@ -33,6 +39,7 @@ from fedcluster.flower import protocol
 from fedcluster.runner import build_federation_for, model_for
 
 client_app = ClientApp()
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=4)
@@ -50,15 +57,22 @@ def _client(experiment: str, seed: int, client: int) -> Simulator:
     return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
 
 
-def _node(msg: Message, context: Context) -> tuple[Simulator, ConfigRecord]:
-    config = protocol.settings(msg.content)
-    if context.node_config.get("data"):  # node-local data: the node reads only its own files
+def _simulator(context: Context, experiment: str, seed: int, client: int) -> Simulator:
+    """The one-client simulator of ``client``, one of the clients this node holds."""
+    data = context.node_config.get("data")
+    if data:  # node-local data: the node reads only its own files
         from fedcluster.flower.nodedata import node_simulator
 
-        data = str(context.node_config["data"])
-        return node_simulator(data, str(config["experiment"]), int(config["seed"])), config
-    client = int(context.node_config["partition-id"])
-    return _client(str(config["experiment"]), int(config["seed"]), client), config
+        return node_simulator(str(data), experiment, seed, client)
+    own = int(context.node_config["partition-id"])
+    if client != own:
+        raise ValueError(f"node partition-id {own} holds client {own}, not client {client}")
+    return _client(experiment, seed, own)
+
+
+def _error(exc: BaseException) -> str:
+    """A client's error as it travels back (one line)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 def _answer(msg: Message, content: RecordDict) -> Message:
@@ -67,34 +81,84 @@ def _answer(msg: Message, content: RecordDict) -> Message:
 
 @client_app.query("setup")
 def setup(msg: Message, context: Context) -> Message:
-    """The client's id, sample counts, ground-truth group (−1: none) and data shape."""
-    sim, _ = _node(msg, context)
-    fed = sim.federation
-    info = {
-        "client": int(sim.client_ids[0]),
-        "train_size": int(fed.train_sizes[0]),
-        "test_size": int(fed.test_sizes[0]),
-        "group": -1 if fed.groups is None else int(fed.groups[0]),
-        "n_classes": int(fed.n_classes),
-        "input_shape": [int(s) for s in fed.input_shape],
+    """The node's clients: per client its sample counts and ground-truth group (−1:
+    none), or why it cannot take part (``j|error``, e.g. a corrupt data file: the
+    node's other clients still serve); the data shape and the federation's size
+    (−1: unknown)."""
+    config = protocol.settings(msg.content)
+    experiment, seed = str(config["experiment"]), int(config["seed"])
+    data = context.node_config.get("data")
+    manifest = None
+    if data:
+        from fedcluster.flower.nodedata import check_seed, node_clients
+
+        check_seed(str(data), seed)
+        manifest, _, clients = node_clients(str(data))
+    else:
+        clients = [int(context.node_config["partition-id"])]
+    info: dict[str, Any] = {
+        protocol.CLIENTS: clients,
+        "n_clients": -1 if manifest is None or manifest.n_clients is None else manifest.n_clients,
     }
+    if manifest is not None:
+        info.update(n_classes=manifest.n_classes, input_shape=list(manifest.input_shape))
+    for j, client in enumerate(clients):
+        head = protocol.prefix(j)
+        try:
+            fed = _simulator(context, experiment, seed, client).federation
+        except Exception as exc:  # noqa: BLE001 -- travels back; the node's other clients serve
+            log.exception("client %d cannot take part", client)
+            if manifest is None:
+                raise
+            entry = manifest.clients[client]
+            info.update(
+                {
+                    head + "train_size": entry["train_size"],
+                    head + "test_size": entry["test_size"],
+                    head + "group": -1 if entry["group"] is None else entry["group"],
+                    head + protocol.ERROR: _error(exc),
+                }
+            )
+            continue
+        info.update(
+            {
+                head + "train_size": int(fed.train_sizes[0]),
+                head + "test_size": int(fed.test_sizes[0]),
+                head + "group": -1 if fed.groups is None else int(fed.groups[0]),
+            }
+        )
+        info.setdefault("n_classes", int(fed.n_classes))
+        info.setdefault("input_shape", [int(s) for s in fed.input_shape])
     return _answer(msg, protocol.reply({}, info))
 
 
 def _compute(msg: Message, context: Context) -> Message:
-    """Run the registered computation the message names on this node's client.
+    """Run the registered computation the message names on each client it names.
 
     The node runs exactly the function the simulator runs (its batched form
-    on a one-client federation), so both compute the same numbers; under
-    local DP the upload is released here, before it leaves the node.
+    on each client's one-client federation), so both compute the same numbers;
+    under local DP the upload is released here, before it leaves the node. A
+    client that fails (e.g. its data file is corrupt) answers with its error;
+    the message's other clients are unaffected.
     """
-    sim, config = _node(msg, context)
+    config = protocol.settings(msg.content)
+    experiment, seed = str(config["experiment"]), int(config["seed"])
     computation = lookup_computation(
         str(config["computation"]), str(config.get("computation_module", "")) or None
     )
-    request = protocol.decode_request(protocol.tensors(msg.content), dict(config.items()))
-    reply = computation.run(sim, np.array([0]), request)
-    return _answer(msg, protocol.reply({k: v[0] for k, v in reply.items()}))
+    replies: list[dict[str, torch.Tensor] | str] = []
+    for client, request in protocol.split_clients(
+        protocol.tensors(msg.content), dict(config.items())
+    ):
+        try:
+            sim = _simulator(context, experiment, seed, client)
+            reply = computation.run(sim, np.array([0]), request)
+        except Exception as exc:  # noqa: BLE001 -- travels back as this client's error
+            log.exception("client %d: %s failed", client, computation.name)
+            replies.append(_error(exc))
+            continue
+        replies.append({k: v[0] for k, v in reply.items()})
+    return _answer(msg, protocol.encode_replies(replies))
 
 
 @client_app.train()

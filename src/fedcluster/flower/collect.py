@@ -11,8 +11,11 @@ it raise :class:`TooFewReplies`, one line naming the clients and reasons; the
 caller treats the other missing clients like the simulator's failing ones
 (``failed`` events, not aggregated).
 
-Replies are matched to requests by message id (``reply_to_message_id``), so a
-node may serve several clients in one call. The grid is polled with a short,
+Replies are matched to requests by message id (``reply_to_message_id``). The
+Flower backend sends one message per node, carrying all the node's clients
+asked (:mod:`fedcluster.flower.protocol`), and counts ``min_replies`` over the
+clients itself (:func:`check_enough`): a node's reply may hold some of its
+clients' errors. The grid is polled with a short,
 growing interval (from 20 ms to 0.5 s) instead of ``Grid.send_and_receive``'s
 fixed 3 s, which would add up to 3 s to every round trip.
 """
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIMEOUT = "timeout"
+NODE_UNAVAILABLE = 5
+"""``flwr.common.constant.ErrorCode.NODE_UNAVAILABLE`` (Flower 1.42)."""
 
 
 class TooFewReplies(FedclusterError):
@@ -47,6 +52,9 @@ class Collected:
 
     replies: dict[Hashable, Message] = field(default_factory=dict)
     failures: dict[Hashable, str] = field(default_factory=dict)
+    offline: set[Hashable] = field(default_factory=set)
+    """Keys whose node the SuperLink reported offline (Flower's ``NODE_UNAVAILABLE``
+    error: no heartbeat within 2 × its interval)."""
 
     def describe_failures(self) -> str:
         """``client 3: timeout; client 5: node error: ...`` (one line)."""
@@ -62,21 +70,38 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def check_enough(
+    what: str, n_asked: int, n_replied: int, min_replies: float, failures: str
+) -> None:
+    """Raise :class:`TooFewReplies` (one line, ending with ``failures``) when fewer than
+    ``min_replies`` of the ``n_asked`` clients replied."""
+    need = required(n_asked, min_replies)
+    if n_replied < need:
+        raise TooFewReplies(
+            f"{what}: {n_replied} of {n_asked} clients replied, "
+            f"{need} needed (deployment.min_replies={min_replies:g}): " + failures
+        )
+
+
 def collect(
     grid: Grid,
     messages: Sequence[Message],
     keys: Sequence[Hashable],
     round_timeout: float | None = None,
-    min_replies: float = 1.0,
+    min_replies: float | None = 1.0,
     what: str = "request",
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    name: Callable[[Hashable], str] = lambda key: f"client {key}",
 ) -> Collected:
-    """Send ``messages`` (one per client, named by ``keys``) and gather the replies.
+    """Send ``messages`` (named by ``keys``: one per client, or per node carrying
+    several clients) and gather the replies.
 
     Waits until every message is answered or ``round_timeout`` seconds have passed
     (``None``: no limit). Raises :class:`TooFewReplies` when fewer than
-    ``min_replies`` of the clients answered without error.
+    ``min_replies`` of the messages were answered without error (``None``: the
+    caller counts, e.g. per client of a node's reply). ``name`` names a key in
+    the log.
     """
     if len(messages) != len(keys):
         raise ValueError("collect: one key per message")
@@ -99,6 +124,8 @@ def collect(
                 continue
             if reply.has_error():
                 out.failures[key] = f"node error: {_one_line(reply.error.reason)}"
+                if getattr(reply.error, "code", None) == NODE_UNAVAILABLE:
+                    out.offline.add(key)
             else:
                 out.replies[key] = reply
         if not pending or (deadline is not None and clock() >= deadline):
@@ -109,13 +136,9 @@ def collect(
     for key in pending.values():
         out.failures[key] = f"{TIMEOUT} (no reply within {round_timeout:g} s)"
     for key, reason in out.failures.items():
-        log.warning("%s: client %s did not answer: %s", what, key, reason)
-    need = required(len(messages), min_replies)
-    if len(out.replies) < need:
-        raise TooFewReplies(
-            f"{what}: {len(out.replies)} of {len(messages)} clients replied, "
-            f"{need} needed (deployment.min_replies={min_replies:g}): " + out.describe_failures()
-        )
+        log.warning("%s: %s did not answer: %s", what, name(key), reason)
+    if min_replies is not None:
+        check_enough(what, len(messages), len(out.replies), min_replies, out.describe_failures())
     # keep the callers' order
     out.replies = {k: out.replies[k] for k in keys if k in out.replies}
     out.failures = {k: out.failures[k] for k in keys if k in out.failures}

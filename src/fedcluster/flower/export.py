@@ -47,6 +47,7 @@ def export_federation(
         n_classes=int(federation.n_classes),
         input_shape=tuple(int(s) for s in federation.input_shape),
         clients=clients,
+        n_clients=federation.n_clients,
     )
     write_manifest(manifest, out)
     return manifest

@@ -54,9 +54,6 @@ from fedcluster.flower.export import export_federation, spread_clients
 from fedcluster.flower.nodedata import write_manifest
 
 CONNECTION = "fedcluster-local"
-MULTI_CLIENT_NODES = False
-"""Whether a node may hold several clients: needs requests that name their client
-(the client-computation redesign); until then one node per client."""
 
 
 class DeploymentError(FedclusterError):
@@ -355,6 +352,26 @@ class LocalDeployment:
         self.nodes.append(node)
         return node
 
+    def wait_connected(self, timeout: float = 120.0) -> None:
+        """Wait until every node has registered with the SuperLink (its log names its
+        SuperNode ID), so that the ServerApp's discovery finds them all."""
+        end = time.monotonic() + timeout
+        waiting = list(self.nodes)
+        while waiting:
+            for proc, name, log in self._named():
+                if proc.poll() is not None:
+                    raise DeploymentError(
+                        f"{name} exited with code {proc.returncode}: {last_error(log)}"
+                    )
+            waiting = [n for n in waiting if "SuperNode ID" not in _read(n.log)]
+            if waiting and time.monotonic() > end:
+                raise DeploymentError(
+                    f"node {waiting[0].index} did not connect in {timeout:g} s: "
+                    f"{last_error(waiting[0].log)}"
+                )
+            if waiting:
+                time.sleep(0.2)
+
     def write_nodes_json(self) -> Path:
         path = self.folder / "nodes.json"
         info = {
@@ -430,6 +447,13 @@ class LocalDeployment:
             f.close()
         self.logs.clear()
         self.procs.clear()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
@@ -522,12 +546,6 @@ def run_local(
     emit(f"fedcluster: exporting {config.name}'s data for {n_nodes} nodes -> {folder}")
     export = folder / "export"
     manifest = export_federation(config, export)
-    n_clients = len(manifest.clients)
-    if not MULTI_CLIENT_NODES and n_nodes != n_clients:
-        raise FedclusterError(
-            f"--nodes {n_nodes}: the Flower backend serves one client per node today; "
-            f"use --nodes {n_clients} (the federation's clients)"
-        )
     blocks = spread_clients(len(manifest.clients), n_nodes)
     data = place_node_data(export, blocks, folder / "data")
     shutil.move(str(export / "manifest.json"), folder / "manifest.json")
@@ -564,7 +582,8 @@ def run_local(
         for k, (block, path) in enumerate(zip(blocks, data, strict=True)):
             dep.start_node(k, block, path)
         dep.write_nodes_json()
-        emit(f"fedcluster: {n_nodes} SuperNodes started; nodes: {folder / 'nodes.json'}")
+        dep.wait_connected()
+        emit(f"fedcluster: {n_nodes} SuperNodes connected; nodes: {folder / 'nodes.json'}")
         _submit_and_wait(dep, app, out, timeout, emit)
     finally:
         stop()

@@ -7,7 +7,8 @@ and test split of an experiment's federation as one ``.npz`` file
 ``y_test``; read with ``allow_pickle=False``, so a file cannot run code) and a
 ``manifest.json`` naming, per client, its file, sample counts, ground-truth
 group (where the partition knows one) and the file's SHA-256, plus the
-federation's ``n_classes``, ``input_shape``, the seed and the config's name.
+federation's ``n_classes``, ``input_shape``, number of clients, the seed and
+the config's name.
 
 A SuperNode is given a path (``--node-config "data=PATH"``): a folder with a
 ``manifest.json`` and the files of the clients it serves, or one client's
@@ -17,6 +18,8 @@ manifest (hash, array names, dtypes, shapes, label range) and returns one
 single-client :class:`~fedcluster.data.federation.Federation` per global
 client id -- what :meth:`Federation.subset` of the simulator's federation
 gives for that client, so a node computes what the simulator computes.
+:func:`load_node_client` reads one of them: a node serving several clients
+checks and loads each on its own, so one corrupt file fails only its client.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class NodeManifest:
     input_shape: tuple[int, ...]
     clients: dict[int, dict[str, Any]]
     """Global client id -> ``file``, ``train_size``, ``test_size``, ``group``, ``sha256``."""
+    n_clients: int | None = None
+    """The whole federation's clients (a node's manifest lists only its own): lets the
+    server name the clients that no node serves."""
 
     def to_json(self, clients: list[int] | None = None) -> dict[str, Any]:
         """The manifest as JSON, restricted to ``clients`` (default: all)."""
@@ -81,6 +87,7 @@ class NodeManifest:
             "seed": self.seed,
             "n_classes": self.n_classes,
             "input_shape": list(self.input_shape),
+            "n_clients": self.n_clients,
             "clients": [{"client": c, **self.clients[c]} for c in keep],
         }
 
@@ -124,6 +131,7 @@ def read_manifest(path: str | Path) -> NodeManifest:
             n_classes=int(raw["n_classes"]),
             input_shape=tuple(int(s) for s in raw["input_shape"]),
             clients=clients,
+            n_clients=None if raw.get("n_clients") is None else int(raw["n_clients"]),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{file}: invalid manifest ({exc})") from None
@@ -204,12 +212,12 @@ def _read_client(manifest: NodeManifest, client: int, folder: Path) -> Federatio
     )
 
 
-def load_node_clients(path: str | Path) -> dict[int, Federation]:
-    """The clients a data path holds, as one-client federations keyed by global id.
+def node_clients(path: str | Path) -> tuple[NodeManifest, Path, list[int]]:
+    """The manifest of a data path, the folder of its files and the clients it holds.
 
     ``path`` is a folder (every client its ``manifest.json`` lists) or one
-    client's ``.npz`` file (the manifest beside it names which client). Only
-    those files are opened; any problem is a :class:`DataError` naming the file.
+    client's ``.npz`` file (the manifest beside it names which client). Opens
+    only the manifest.
     """
     path = Path(path)
     manifest = read_manifest(path)
@@ -222,17 +230,34 @@ def load_node_clients(path: str | Path) -> dict[int, Federation]:
             raise DataError(f"{path}: not listed in {manifest.path}")
     if not clients:
         raise DataError(f"{manifest.path}: lists no client")
+    return manifest, folder, clients
+
+
+def load_node_clients(path: str | Path) -> dict[int, Federation]:
+    """The clients a data path holds (:func:`node_clients`), as one-client federations
+    keyed by global id. Only those files are opened; any problem is a
+    :class:`DataError` naming the file."""
+    manifest, folder, clients = node_clients(path)
     return {c: _read_client(manifest, c, folder) for c in clients}
 
 
-@lru_cache(maxsize=4)
-def node_simulator(path: str, experiment: str, seed: int, client: int | None = None) -> Simulator:
-    """The simulator of one client a node holds at ``path`` (cached per process),
-    for the experiment whose YAML text is ``experiment``.
+def load_node_client(path: str | Path, client: int) -> Federation:
+    """One client of those a data path holds (opens only its file)."""
+    manifest, folder, clients = node_clients(path)
+    if client not in clients:
+        raise DataError(f"{path}: holds clients {clients}, not client {client}")
+    return _read_client(manifest, client, folder)
 
-    ``client`` names the client where the node holds several; a node holding one
-    serves it whatever the request names. The data must have been exported for
-    the run's ``seed`` (the partition depends on it).
+
+@lru_cache(maxsize=256)
+def node_simulator(path: str, experiment: str, seed: int, client: int) -> Simulator:
+    """The simulator of client ``client`` a node holds at ``path`` (cached per process:
+    a node serving several clients keeps each one's data and model), for the
+    experiment whose YAML text is ``experiment``.
+
+    The data must have been exported for the run's ``seed`` (the partition
+    depends on it). Only that client's file is opened; a file that fails its
+    checks raises (again on the next request: nothing is cached for it).
     """
     import yaml
 
@@ -240,19 +265,18 @@ def node_simulator(path: str, experiment: str, seed: int, client: int | None = N
     from fedcluster.engine.simulator import Simulator
     from fedcluster.runner import model_for
 
+    check_seed(path, seed)
+    own = load_node_client(path, client)
+    model = model_for(validate_config(yaml.safe_load(experiment)), own)
+    # one thread per node: several nodes may share a machine
+    return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
+
+
+def check_seed(path: str | Path, seed: int) -> NodeManifest:
+    """The manifest of ``path``; a :class:`DataError` when it was exported for another seed."""
     manifest = read_manifest(path)
     if manifest.seed != seed:
         raise DataError(
             f"{path}: data exported for seed {manifest.seed}, the run asks for seed {seed}"
         )
-    clients = load_node_clients(path)
-    if client is None:
-        if len(clients) != 1:
-            raise DataError(f"{path}: holds clients {sorted(clients)}; the request names none")
-        client = next(iter(clients))
-    if client not in clients:
-        raise DataError(f"{path}: holds clients {sorted(clients)}, not client {client}")
-    own = clients[client]
-    model = model_for(validate_config(yaml.safe_load(experiment)), own)
-    # one thread per node: several nodes may share a machine
-    return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
+    return manifest

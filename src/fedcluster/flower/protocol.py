@@ -2,13 +2,20 @@
 
 Every registered client computation (:mod:`fedcluster.engine.computation`)
 travels the same way: message type ``train``, ``evaluate`` or ``query`` (the
-others), the computation's name and module in the settings; the request
-carries the client's tensors (``"arrays"``: ``shared/<name>`` and
-``own/<name>``, an ``ArrayRecord``) and settings (``"config"``, a
-``ConfigRecord``: a :class:`LocalTraining` and a release rule flattened under
-their key), the reply the computation's declared reply fields. Besides them,
-``query.setup`` asks a node for its client's id, sample counts, group and data
-shape.
+others), the computation's name and module in the settings. A node may hold
+several clients; the server sends it **one message per call for all its
+clients asked** (:func:`encode_clients`): the settings list their global ids
+(``clients``), the tensors every client receives travel once
+(``"arrays"``: ``shared/<name>``, an ``ArrayRecord``), and client ``j`` of the
+message has its own tensors and settings under the prefix ``j|``
+(``j|own/<name>``; ``j|<setting>`` in ``"config"``, a ``ConfigRecord``: a
+:class:`LocalTraining` and a release rule flattened under their key). The
+node runs each client on its own (:func:`split_clients` gives each one's
+request) and replies with each client's declared reply fields under the
+same prefix, or ``j|error``: that client's error, so one broken client does
+not fail the others (:func:`encode_replies`, :func:`decode_replies`).
+Besides them, ``query.setup`` asks a node for its clients' ids, sample
+counts, groups and data shape.
 
 Every request's config names the experiment (its YAML text and seed), so a
 node can build its data and model from it (and cache them), plus the round
@@ -25,7 +32,7 @@ allow). The server keeps the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -37,6 +44,8 @@ from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.computation import Request, Settings
 
 SETUP = "query.setup"
+CLIENTS = "clients"
+ERROR = "error"
 
 _TRAINING_FIELDS = ("lr", "batch_size", "epochs", "momentum", "mu")
 SHARED, OWN = "shared/", "own/"
@@ -143,6 +152,75 @@ def decode_request(arrays: Mapping[str, torch.Tensor], config: Mapping[str, Any]
         settings=decode_settings(shared_config),
         own_settings=(decode_settings(own_config),) if own_config else None,
     )
+
+
+def prefix(j: int) -> str:
+    """The key prefix of the ``j``-th client of a message."""
+    return f"{j}|"
+
+
+def encode_clients(
+    request: Request, positions: Sequence[int], clients: Sequence[int]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One node's message for the asked clients at ``positions`` of ``request`` (global
+    ids ``clients``): the shared tensors once, each client's own tensors and settings
+    under its prefix, the ids under ``clients``."""
+    arrays: dict[str, torch.Tensor] = {}
+    config: dict[str, Any] = {CLIENTS: [int(c) for c in clients]}
+    for j, (i, c) in enumerate(zip(positions, clients, strict=True)):
+        one = request.client(int(i))
+        for key, value in encode_request(one).items():
+            if key.startswith(SHARED):
+                arrays[key] = value  # the same for every client of the request
+            else:
+                arrays[prefix(j) + key] = value
+        for key, value in encode_settings(one.settings, int(c)).items():
+            config[prefix(j) + key] = value
+        own = one.own_settings[0] if one.own_settings else {}
+        for key, value in encode_settings(own, int(c)).items():
+            config[prefix(j) + OWN + key] = value
+    return arrays, config
+
+
+def split_clients(
+    arrays: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+) -> list[tuple[int, Request]]:
+    """Each client's (global id, one-client request) of a message :func:`encode_clients` made."""
+    shared = {k: v for k, v in arrays.items() if k.startswith(SHARED)}
+    out = []
+    for j, client in enumerate(config[CLIENTS]):
+        head = prefix(j)
+        own = {k[len(head) :]: v for k, v in arrays.items() if k.startswith(head)}
+        settings = {k[len(head) :]: v for k, v in config.items() if k.startswith(head)}
+        out.append((int(client), decode_request({**shared, **own}, settings)))
+    return out
+
+
+def encode_replies(replies: Sequence[Mapping[str, torch.Tensor] | str]) -> RecordDict:
+    """A node's reply for the clients of one message, in their order: each client's
+    reply fields, or its error (a string)."""
+    arrays: dict[str, torch.Tensor] = {}
+    config: dict[str, Any] = {}
+    for j, one in enumerate(replies):
+        if isinstance(one, str):
+            config[prefix(j) + ERROR] = one
+        else:
+            arrays.update({prefix(j) + k: v for k, v in one.items()})
+    return request(arrays, config)
+
+
+def decode_replies(content: RecordDict, n: int) -> list[dict[str, torch.Tensor] | str]:
+    """The ``n`` clients' replies :func:`encode_replies` packed: fields, or the
+    client's error prefixed ``node error:``."""
+    arrays, config = tensors(content), settings(content)
+    out: list[dict[str, torch.Tensor] | str] = []
+    for j in range(n):
+        head = prefix(j)
+        if head + ERROR in config:
+            out.append(f"node error: {' '.join(str(config[head + ERROR]).split())}")
+        else:
+            out.append({k[len(head) :]: v for k, v in arrays.items() if k.startswith(head)})
+    return out
 
 
 def request(arrays: dict[str, torch.Tensor], config: dict[str, Any]) -> RecordDict:

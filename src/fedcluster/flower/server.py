@@ -55,9 +55,11 @@ class FlowerBackends:
         self.min_replies = config.deployment.min_replies
         self._text = dump_config(config)
         self._nodes: dict[int, dict[int, int]] = {}
+        self._offline: dict[int, dict[int, str]] = {}
 
     def federation(self, seed: int) -> FederationInfo:
         info, self._nodes[seed] = discover(self.grid, self._text, seed, self.timeout)
+        self._offline[seed] = {}  # nodes lost during the seed's jobs
         return info
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> FlowerBackend:
@@ -71,6 +73,7 @@ class FlowerBackends:
             seed,
             self.timeout,
             self.min_replies,
+            self._offline[seed],
         )
 
 
