@@ -113,6 +113,11 @@ class Worker:
             try:
                 if reply is not None and context is not None:
                     push_message(client, reply, context)
+            except Exception as ex:  # noqa: BLE001 -- the reply is lost, the worker lives on
+                # e.g. Flower's ObjectPushError when the push session expired under load:
+                # the server sees this node's error for the request; later tasks still run
+                log.error("pushing the reply failed: %s: %s", type(ex).__name__, ex)
+                status, details = SubStatus.FAILED, f"reply not delivered: {ex}"
             finally:
                 push_task_output(client, context, status, details)
                 heartbeat.stop()
