@@ -77,6 +77,8 @@ class LocalGrid:
         """Nodes the SuperLink reports offline (Flower's NODE_UNAVAILABLE error reply)."""
         self.replies: dict[str, SimpleNamespace] = {}
         self.sent: list[tuple[int, str, list[int]]] = []
+        self.computations: list[str] = []
+        """Each pushed message's computation (``setup`` for discovery)."""
 
     def get_node_ids(self) -> list[int]:
         return list(self.nodes)
@@ -88,6 +90,7 @@ class LocalGrid:
             mid = f"m{len(self.sent)}"
             config = protocol.settings(message.content)
             self.sent.append((node, message.metadata.message_type, list(config.get("clients", []))))
+            self.computations.append(str(config.get("computation", "setup")))
             ids.append(mid)
             if node in self.down:
                 continue
@@ -190,11 +193,36 @@ def test_several_clients_per_node_give_the_simulators_metrics(tmp_path):
     assert len(setups) == 4  # one discovery per seed
 
 
+def test_the_choice_on_the_device_is_one_message_per_node_and_round(tmp_path):
+    """IFCA and JGL with ``choice_on_device``: simulator and nodes give the same
+    metrics (bytes included), and each node gets one choose-and-train message per
+    round (where the default sends a decision query, then the training), then the
+    evaluation."""
+    rounds, n_nodes = 2, 2
+    config = _config(
+        [
+            {"name": "ifca", "params": {**SMALL["ifca"], "choice_on_device": True}},
+            {"name": "jgl", "params": {**SMALL["jgl"], "choice_on_device": True}},
+        ]
+    )
+    nodes, _ = _nodes(config, tmp_path, n_nodes)
+    grid = LocalGrid(nodes)
+    _flower_run(config, grid, tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    assert all(int(r["bytes_up"]) > 0 and int(r["bytes_down"]) > 0 for r in sim)
+    asked = [c for c in grid.computations if c != "setup"]
+    per_round = ["choose-and-train"] * n_nodes + ["evaluate"] * n_nodes
+    assert asked == per_round * rounds * len(config.algorithms)
+
+
 @pytest.mark.parametrize("mode", ["client", "record"])
 def test_local_dp_noise_per_client_of_a_node(tmp_path, mode):
-    """Each client of a node gets its own DP settings and noise streams."""
+    """Each client of a node gets its own DP settings and noise streams (also when it
+    chooses its cluster on the device and releases the model it trained)."""
+    device = {"name": "jgl", "params": {**SMALL["jgl"], "choice_on_device": True}}
     config = _config(
-        [{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}],
+        [{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}, device],
         privacy={"mode": mode, "epsilon": 5.0, "max_participations": 1},
     )
     nodes, _ = _nodes(config, tmp_path, 2)
