@@ -26,7 +26,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
-from fedcluster.config import dump_config, validate_config  # noqa: E402
+from fedcluster.config import dump_config, resolve_config, validate_config  # noqa: E402
 from fedcluster.dp import UploadTicket  # noqa: E402
 from fedcluster.engine.batches import LocalTraining  # noqa: E402
 from fedcluster.engine.computation import Request  # noqa: E402
@@ -214,6 +214,77 @@ def test_the_choice_on_the_device_is_one_message_per_node_and_round(tmp_path):
     asked = [c for c in grid.computations if c != "setup"]
     per_round = ["choose-and-train"] * n_nodes + ["evaluate"] * n_nodes
     assert asked == per_round * rounds * len(config.algorithms)
+
+
+def test_drift_is_applied_by_each_node_to_its_own_clients(tmp_path):
+    """scenario.drift on the nodes: rotations (drawn and given angles) and label swaps
+    (drawn and given labels) at the start of their rounds, each job from the data as
+    exported; metrics equal to the simulator's, whose drift changes the federation
+    the server holds."""
+    drift = [
+        {"kind": "rotate", "every": 1, "clients": "random"},
+        {"kind": "rotate", "rounds": [2], "clients": [1], "angle": 90.0},
+        {"kind": "swap_labels", "rounds": [1], "clients": [4]},
+        {"kind": "swap_labels", "rounds": [2], "clients": [0, 5], "labels": [1, 7]},
+    ]
+    config = _config(
+        [{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}],
+        rounds=3,
+        scenario={"drift": drift},
+    )
+    nodes, _ = _nodes(config, tmp_path, 2)
+    _flower_run(config, LocalGrid(nodes), tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    sim_events, flower_events = (
+        [e for e in _rows(tmp_path / run / "events.csv") if e["kind"] == "drift"]
+        for run in ("sim", "flower")
+    )
+    assert len(sim_events) == len(flower_events) == 2 * (3 + 1 + 1 + 2)
+    for want, got in zip(sim_events, flower_events, strict=True):
+        assert (got["round"], got["client"]) == (want["round"], want["client"])
+        drawn_labels = got["detail"] == "swap_labels: two of its labels, drawn on its node"
+        assert got["detail"] == want["detail"] or drawn_labels
+
+
+def test_dcfl_emnist_dynamic_on_nodes_equals_the_simulator(tmp_path):
+    """The dcfl-emnist-dynamic preset (EMNIST, per-client rotations, newcomers, a
+    random client's rotation drifting, client-level local DP; DCFL, CFL, FedAvg),
+    scaled down: 8 clients of 100 samples, 4 rounds, newcomers and drift every 2
+    rounds, on 3 nodes: the simulator's metrics and drift events."""
+    config = resolve_config(
+        preset="dcfl-emnist-dynamic",
+        overrides={
+            "rounds": 4,
+            "eval_every": 1,
+            "data": {"partition": {"base_options": {"n_clients": 8, "samples_per_client": 100}}},
+            "model": {"options": {"hidden": [16]}},
+            "scenario": {
+                "joins": {"every": 2, "count": 2, "first": 2},
+                "drift": [{"kind": "rotate", "every": 2, "first": 1}],
+            },
+            "algorithms": [
+                {"name": "dcfl"},
+                {"name": "cfl", "params": {"warmup_rounds": 1}},
+                {"name": "fedavg"},
+            ],
+        },
+    )
+    nodes, _ = _nodes(config, tmp_path, 3)
+    _flower_run(config, LocalGrid(nodes), tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    rows = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    assert len(rows) == 3 * 4 and all(float(r["epsilon"]) > 0 for r in rows)
+    events = {
+        run: [
+            (e["algorithm"], e["round"], e["client"], e["kind"], e["detail"])
+            for e in _rows(tmp_path / run / "events.csv")
+            if e["kind"] in ("drift", "join")
+        ]
+        for run in ("sim", "flower")
+    }
+    assert events["sim"] == events["flower"]
+    assert sum(kind == "drift" for *_, kind, _ in events["sim"]) == 3 * 2
 
 
 @pytest.mark.parametrize("mode", ["client", "record"])
