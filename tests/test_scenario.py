@@ -14,7 +14,7 @@ import fedcluster.runner as runner_module
 from fedcluster.algorithms import ALGORITHMS, algorithm_params
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.config import ExperimentConfig, resolve_config, validate_config
-from fedcluster.data.drift import DriftEvent, apply_drift
+from fedcluster.data.drift import DriftEvent, DriftReplay, apply_drift
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.metrics import TIMING_COLUMNS
@@ -137,6 +137,29 @@ def test_drift_kinds_change_one_clients_data_in_place(rotated):
     )
     with pytest.raises(ConfigError, match="redistribute"):
         apply_drift(fed, DriftEvent(round=1, client=0, kind="redistribute", seed=0))
+
+
+def test_a_replay_follows_the_events_it_is_told_and_restores_for_a_new_list(rotated):
+    """What a Flower node does with its client's events: apply the new ones, or
+    restore the data as exported and apply a list that does not continue the last."""
+    one = rotated.subset([0])
+    exported = one.clone()
+    first = DriftEvent(round=1, client=0, kind="rotate", seed=1, angle=90.0)
+    second = DriftEvent(round=2, client=0, kind="swap_labels", seed=2, labels=(1, 2))
+    replay = DriftReplay(one)
+    replay.follow([first])
+    want = exported.clone()
+    apply_drift(want, first)
+    assert torch.equal(one.x_train, want.x_train)
+    replay.follow([first, second])  # only the new event
+    apply_drift(want, second)
+    assert torch.equal(one.x_train, want.x_train) and torch.equal(one.y_train, want.y_train)
+    replay.follow([second])  # another job: from the exported data
+    want = exported.clone()
+    apply_drift(want, second)
+    assert torch.equal(one.x_train, want.x_train) and torch.equal(one.y_test, want.y_test)
+    replay.follow([])
+    assert torch.equal(one.x_train, exported.x_train) and torch.equal(one.y_train, exported.y_train)
 
 
 def test_redistribute_redraws_with_the_same_counts(tmp_path):

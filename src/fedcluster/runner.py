@@ -35,7 +35,7 @@ from fedcluster.algorithms.base import Algorithm, State, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
-from fedcluster.data.drift import DriftPool, apply_drift
+from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.natural import NATURAL, make_natural
 from fedcluster.data.partitions import Partition, make_partition
@@ -248,9 +248,8 @@ class Job:
         federation, model, start_row = setting
         self.config = cfg
         self.scenario, self.pool = dynamics
-        if self.scenario.has_drift:  # each job drifts its own copy of the seed's federation
-            assert isinstance(federation, Federation)
-            federation = federation.clone()
+        if self.scenario.has_drift and isinstance(federation, Federation):
+            federation = federation.clone()  # each job drifts its own copy of the seed's data
         self.backend = experiment.backend_factory.backend(model, federation, seed)
         self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
         ctx = Context.for_backend(
@@ -279,7 +278,7 @@ class Job:
         info = self.info
         state = self._restore(rundir) if resume else None
         for event in self.scenario.drifts_through(info.first_round - 1):  # data at the checkpoint
-            apply_drift(self.backend.federation, event, self.pool)
+            self._drift(event)
         self.channel.set_masks(*self.scenario.masks(info.first_round))
         if state is None:
             state = self.algorithm.init_state()
@@ -395,9 +394,16 @@ class Job:
         events += [(int(c), "join", "") for c in scenario.joins(rnd)]
         events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
         for event in scenario.drifts(rnd):
-            detail = apply_drift(self.backend.federation, event, self.pool)
-            events.append((event.client, "drift", f"{event.kind}: {detail}"))
+            events.append((event.client, "drift", f"{event.kind}: {self._drift(event)}"))
         return events
+
+    def _drift(self, event: DriftEvent) -> str:
+        """Apply a drift event to the job's data; its description. A backend whose data
+        is elsewhere (Flower: on the nodes) applies it there (its ``drift``)."""
+        drift = getattr(self.backend, "drift", None)
+        if drift is not None:
+            return drift(event)
+        return apply_drift(self.backend.federation, event, self.pool)
 
 
 def resume(

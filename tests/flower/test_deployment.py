@@ -1,7 +1,9 @@
 """A real Flower deployment on loopback (``fedcluster flower local``).
 
-Each test starts a ``flower-superlink``, 4 ``flower-supernode`` processes
-holding 2 of the 8 clients each (each node given only its own data folder)
+Each test runs the quickstart's federation (``--preset quickstart``: 24
+clients of mnist5k in 4 rotation groups; a small MLP and 3 rounds keep it
+fast): a ``flower-superlink``, 4 ``flower-supernode`` processes holding 6
+of the 24 clients each (each node given only its own data folder)
 and a long-lived ClientApp worker per node, runs the Flower App with ``flwr
 run``, and compares the run directory with the batched simulator's run of
 the same config. Three runs in all, each checking several things: equal
@@ -28,32 +30,33 @@ import pytest
 
 pytest.importorskip("flwr", reason="deployment needs `pip install 'fedcluster[flower]'`")
 
-from fedcluster.config import validate_config  # noqa: E402
+from fedcluster.config import resolve_config  # noqa: E402
 from fedcluster.errors import FedclusterError  # noqa: E402
 from fedcluster.flower.launcher import run_local  # noqa: E402
 from fedcluster.flower.nodedata import client_file  # noqa: E402
 from fedcluster.runner import Experiment  # noqa: E402
-from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
+from tests.helpers import assert_same_run  # noqa: E402
 
 pytestmark = pytest.mark.deployment
 
-N_CLIENTS = 8
+N_CLIENTS = 24  # the quickstart's federation
 N_NODES = 4
-BLOCKS = [[0, 1], [2, 3], [4, 5], [6, 7]]  # the clients of each node
+BLOCKS = [list(range(6 * k, 6 * k + 6)) for k in range(N_NODES)]  # the clients of each node
 
 
-def _config(algorithms, rounds: int = 3, **extra):
-    return validate_config(
-        {
+def _config(algorithms: list[str], rounds: int = 3, **extra):
+    """The quickstart preset's data and algorithms (``algorithms`` selects among them,
+    with their preset parameters), with a small MLP and one local epoch."""
+    return resolve_config(
+        preset="quickstart",
+        algorithms=algorithms,
+        overrides={
             "name": "deployment-test",
-            "seeds": [0],
             "rounds": rounds,
-            "data": rotated_mnist5k(N_CLIENTS),
-            "model": {"name": "mlp", "options": {"hidden": [32]}},
-            "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-            "algorithms": algorithms,
+            "model": {"options": {"hidden": [32]}},
+            "train": {"epochs": 1},
             **extra,
-        }
+        },
     )
 
 
@@ -111,15 +114,12 @@ def _check_nodes(run: Path) -> dict:
     return nodes
 
 
-IFCA_JGL = [
-    {"name": "ifca", "params": {"n_clusters": 2}},
-    {"name": "jgl", "params": {"n_clusters": 2, "lam": 0.2}},
-]
+IFCA_JGL = ["ifca", "jgl"]  # the quickstart's: K = 4 (JGL: λ = 0.2)
 
 
 def test_loopback_deployment_writes_the_simulators_metrics(tmp_path):
-    """IFCA and JGL on 4 nodes of 2 clients each: the run directory equals the
-    simulator's (to float rounding)."""
+    """The quickstart's IFCA and JGL on 4 nodes of 6 clients each: the run directory
+    equals the simulator's (to float rounding)."""
     config = _config(IFCA_JGL, rounds=3)
     run = run_local(config, tmp_path / "run", N_NODES, timeout=800, emit=lambda s: None)
     assert json.loads((run / "summary.json").read_text())
@@ -163,57 +163,62 @@ def _kill_node_after_round(run: Path, node: int, after: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+CORRUPT = 13  # a client of node 2
+KILLED = 1  # the node SIGKILLed after round 1
+
+
 def test_a_killed_node_and_a_corrupt_file_become_failed_clients(tmp_path):
-    """IFCA then JGL, 3 rounds each, on 4 nodes over TLS with SuperNode
-    authentication: client 5's file on node 2 is corrupt (the node serves its
-    other client; the server's log names client 5 and the node's error), and
-    node 1 (clients 2 and 3) is SIGKILLed after IFCA's round 1. The run
-    completes, the lost clients are ``failed`` events, and the other clients'
-    clusters keep improving."""
+    """The quickstart's IFCA then JGL, 3 rounds each, on 4 nodes over TLS with
+    SuperNode authentication: client 13's file on node 2 is corrupt (the node
+    serves its other clients; the server's log names client 13 and the node's
+    error), and node 1 (clients 6..11) is SIGKILLed after IFCA's round 1. The
+    run completes, the lost clients are ``failed`` events, and the other
+    clients' clusters keep improving."""
     config = _config(
         IFCA_JGL,
         rounds=3,
         deployment={"round_timeout": 20, "min_replies": 0.5},
     )
     run = tmp_path / "run"
-    threading.Thread(target=_corrupt_node_data, args=(run, 2, 5), daemon=True).start()
-    threading.Thread(target=_kill_node_after_round, args=(run, 1, 1), daemon=True).start()
+    threading.Thread(target=_corrupt_node_data, args=(run, 2, CORRUPT), daemon=True).start()
+    threading.Thread(target=_kill_node_after_round, args=(run, KILLED, 1), daemon=True).start()
     run_local(config, run, N_NODES, tls=True, auth=True, timeout=800, emit=lambda s: None)
     _check_tls_and_auth(run, _check_nodes(run))
     server_log = (run / "deployment/flwr-run.log").read_text()
-    setup = [ln for ln in server_log.splitlines() if "query.setup: client 5" in ln]
-    assert setup and client_file(5) in setup[0] and "SHA-256 differs" in setup[0]
+    setup = [ln for ln in server_log.splitlines() if f"query.setup: client {CORRUPT}" in ln]
+    assert setup and client_file(CORRUPT) in setup[0] and "SHA-256 differs" in setup[0]
     events = _rows(run / "events.csv")
     failed: dict[str, set[tuple[int, str]]] = {}
     for e in events:
         if e["kind"] == "failed":
             failed.setdefault(e["algorithm"], set()).add((int(e["round"]), e["client"]))
+    corrupt, killed = str(CORRUPT), {str(c) for c in BLOCKS[KILLED]}
     # the corrupt client in every round of both jobs
-    assert all((r, "5") in failed[a] for a in ("ifca", "jgl") for r in (1, 2, 3))
+    assert all((r, corrupt) in failed[a] for a in ("ifca", "jgl") for r in (1, 2, 3))
     # the killed node's clients: in IFCA's last round (round 2 too, unless their node
     # answered round 2's first request in the 0.2 s before the kill) and all of JGL's
-    assert {(3, "2"), (3, "3")} <= failed["ifca"]
-    assert not {c for r, c in failed["ifca"] if r == 1} - {"5"}
-    assert {(r, c) for r in (1, 2, 3) for c in ("2", "3", "5")} == failed["jgl"]
+    assert {(3, c) for c in killed} <= failed["ifca"]
+    assert not {c for r, c in failed["ifca"] if r == 1} - {corrupt}
+    assert {(r, c) for r in (1, 2, 3) for c in killed | {corrupt}} == failed["jgl"]
     rows = _rows(run / "metrics.csv")
     for algorithm in ("ifca", "jgl"):
         mine = [r for r in rows if r["algorithm"] == algorithm]
         assert [int(r["round"]) for r in mine] == [1, 2, 3]
-        assert int(mine[-1]["failed"]) == 3
+        assert int(mine[-1]["failed"]) == len(killed) + 1
         acc = [float(r["accuracy"]) for r in mine]
         assert acc[-1] > acc[0]  # the other clients' clusters keep improving
 
 
 def test_bad_launcher_input_is_one_line(tmp_path):
-    config = _config([{"name": "fedavg"}], rounds=1)
+    config = _config(["fedavg"], rounds=1)
     (tmp_path / "full").mkdir()
     (tmp_path / "full/x").write_text("x")
     with pytest.raises(FedclusterError, match="not empty"):
         run_local(config, tmp_path / "full", N_NODES)
     with pytest.raises(FedclusterError, match="one seed per deployment"):
         run_local(config.model_copy(update={"seeds": [0, 1]}), tmp_path / "seeds", N_NODES)
-    with pytest.raises(FedclusterError, match=f"--nodes 9: needs 1..{N_CLIENTS}"):
-        run_local(config, tmp_path / "nodes", 9, emit=lambda s: None)
+    with pytest.raises(FedclusterError, match=f"--nodes 25: needs 1..{N_CLIENTS}"):
+        run_local(config, tmp_path / "nodes", N_CLIENTS + 1, emit=lambda s: None)
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
@@ -223,7 +228,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
     config = tmp_path / "c.yaml"
     # long enough that the run is still going when the signal comes, on any machine
-    config.write_text(json.dumps(_config([{"name": "fedavg"}], rounds=500).model_dump(mode="json")))
+    config.write_text(json.dumps(_config(["fedavg"], rounds=500).model_dump(mode="json")))
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cli = [sys.executable, "-m", "fedcluster.cli", "flower", "local", str(config)]

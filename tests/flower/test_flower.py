@@ -89,7 +89,10 @@ def test_local_dp_on_flower_draws_the_simulators_noise_on_the_nodes(tmp_path, mo
 @pytest.mark.parametrize(
     "change,field",
     [
-        ({"scenario": {"drift": [{"kind": "rotate", "rounds": [2]}]}}, "drift"),
+        (
+            {"scenario": {"drift": [{"kind": "redistribute", "rounds": [2]}]}},
+            r"scenario\.drift\.0\.kind: 'redistribute'",
+        ),
     ],
 )
 def test_unsupported_settings_are_refused_before_anything_runs(change, field):

@@ -26,7 +26,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
-from fedcluster.config import dump_config, validate_config  # noqa: E402
+from fedcluster.config import dump_config, resolve_config, validate_config  # noqa: E402
 from fedcluster.dp import UploadTicket  # noqa: E402
 from fedcluster.engine.batches import LocalTraining  # noqa: E402
 from fedcluster.engine.computation import Request  # noqa: E402
@@ -77,6 +77,8 @@ class LocalGrid:
         """Nodes the SuperLink reports offline (Flower's NODE_UNAVAILABLE error reply)."""
         self.replies: dict[str, SimpleNamespace] = {}
         self.sent: list[tuple[int, str, list[int]]] = []
+        self.computations: list[str] = []
+        """Each pushed message's computation (``setup`` for discovery)."""
 
     def get_node_ids(self) -> list[int]:
         return list(self.nodes)
@@ -88,6 +90,7 @@ class LocalGrid:
             mid = f"m{len(self.sent)}"
             config = protocol.settings(message.content)
             self.sent.append((node, message.metadata.message_type, list(config.get("clients", []))))
+            self.computations.append(str(config.get("computation", "setup")))
             ids.append(mid)
             if node in self.down:
                 continue
@@ -190,11 +193,107 @@ def test_several_clients_per_node_give_the_simulators_metrics(tmp_path):
     assert len(setups) == 4  # one discovery per seed
 
 
-@pytest.mark.parametrize("mode", ["client", "record"])
-def test_local_dp_noise_per_client_of_a_node(tmp_path, mode):
-    """Each client of a node gets its own DP settings and noise streams."""
+def test_the_choice_on_the_device_is_one_message_per_node_and_round(tmp_path):
+    """IFCA and JGL with ``choice_on_device``: simulator and nodes give the same
+    metrics (bytes included), and each node gets one choose-and-train message per
+    round (where the default sends a decision query, then the training), then the
+    evaluation."""
+    rounds, n_nodes = 2, 2
+    config = _config(
+        [
+            {"name": "ifca", "params": {**SMALL["ifca"], "choice_on_device": True}},
+            {"name": "jgl", "params": {**SMALL["jgl"], "choice_on_device": True}},
+        ]
+    )
+    nodes, _ = _nodes(config, tmp_path, n_nodes)
+    grid = LocalGrid(nodes)
+    _flower_run(config, grid, tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    assert all(int(r["bytes_up"]) > 0 and int(r["bytes_down"]) > 0 for r in sim)
+    asked = [c for c in grid.computations if c != "setup"]
+    per_round = ["choose-and-train"] * n_nodes + ["evaluate"] * n_nodes
+    assert asked == per_round * rounds * len(config.algorithms)
+
+
+def test_drift_is_applied_by_each_node_to_its_own_clients(tmp_path):
+    """scenario.drift on the nodes: rotations (drawn and given angles) and label swaps
+    (drawn and given labels) at the start of their rounds, each job from the data as
+    exported; metrics equal to the simulator's, whose drift changes the federation
+    the server holds."""
+    drift = [
+        {"kind": "rotate", "every": 1, "clients": "random"},
+        {"kind": "rotate", "rounds": [2], "clients": [1], "angle": 90.0},
+        {"kind": "swap_labels", "rounds": [1], "clients": [4]},
+        {"kind": "swap_labels", "rounds": [2], "clients": [0, 5], "labels": [1, 7]},
+    ]
     config = _config(
         [{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}],
+        rounds=3,
+        scenario={"drift": drift},
+    )
+    nodes, _ = _nodes(config, tmp_path, 2)
+    _flower_run(config, LocalGrid(nodes), tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    sim_events, flower_events = (
+        [e for e in _rows(tmp_path / run / "events.csv") if e["kind"] == "drift"]
+        for run in ("sim", "flower")
+    )
+    assert len(sim_events) == len(flower_events) == 2 * (3 + 1 + 1 + 2)
+    for want, got in zip(sim_events, flower_events, strict=True):
+        assert (got["round"], got["client"]) == (want["round"], want["client"])
+        drawn_labels = got["detail"] == "swap_labels: two of its labels, drawn on its node"
+        assert got["detail"] == want["detail"] or drawn_labels
+
+
+def test_dcfl_emnist_dynamic_on_nodes_equals_the_simulator(tmp_path):
+    """The dcfl-emnist-dynamic preset (EMNIST, per-client rotations, newcomers, a
+    random client's rotation drifting, client-level local DP; DCFL, CFL, FedAvg),
+    scaled down: 8 clients of 100 samples, 4 rounds, newcomers and drift every 2
+    rounds, on 3 nodes: the simulator's metrics and drift events."""
+    config = resolve_config(
+        preset="dcfl-emnist-dynamic",
+        overrides={
+            "rounds": 4,
+            "eval_every": 1,
+            "data": {"partition": {"base_options": {"n_clients": 8, "samples_per_client": 100}}},
+            "model": {"options": {"hidden": [16]}},
+            "scenario": {
+                "joins": {"every": 2, "count": 2, "first": 2},
+                "drift": [{"kind": "rotate", "every": 2, "first": 1}],
+            },
+            "algorithms": [
+                {"name": "dcfl"},
+                {"name": "cfl", "params": {"warmup_rounds": 1}},
+                {"name": "fedavg"},
+            ],
+        },
+    )
+    nodes, _ = _nodes(config, tmp_path, 3)
+    _flower_run(config, LocalGrid(nodes), tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    rows = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    assert len(rows) == 3 * 4 and all(float(r["epsilon"]) > 0 for r in rows)
+    events = {
+        run: [
+            (e["algorithm"], e["round"], e["client"], e["kind"], e["detail"])
+            for e in _rows(tmp_path / run / "events.csv")
+            if e["kind"] in ("drift", "join")
+        ]
+        for run in ("sim", "flower")
+    }
+    assert events["sim"] == events["flower"]
+    assert sum(kind == "drift" for *_, kind, _ in events["sim"]) == 3 * 2
+
+
+@pytest.mark.parametrize("mode", ["client", "record"])
+def test_local_dp_noise_per_client_of_a_node(tmp_path, mode):
+    """Each client of a node gets its own DP settings and noise streams (also when it
+    chooses its cluster on the device and releases the model it trained)."""
+    device = {"name": "jgl", "params": {**SMALL["jgl"], "choice_on_device": True}}
+    config = _config(
+        [{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}, device],
         privacy={"mode": mode, "epsilon": 5.0, "max_participations": 1},
     )
     nodes, _ = _nodes(config, tmp_path, 2)

@@ -256,8 +256,8 @@ class Channel:
         ok_pos = np.flatnonzero(returned.ok)
         start = None
         if computation.update is not None and not measurement:
-            name, start_name = computation.update
-            start = request.rows(start_name, ok_pos)
+            name, _ = computation.update
+            start = computation.start_rows(request, fields, ok_pos)
             for transform in self.client_transforms:
                 fields[name] = transform(clients, start, fields[name], rnd)
         keep = np.ones(len(clients), dtype=bool) if sent is None else sent.copy()

@@ -45,8 +45,8 @@ from fedcluster.algorithms.base import (
 from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.engine.client_computations import LOSSES
-from fedcluster.engine.computation import Request
-from fedcluster.rng import numpy_rng
+from fedcluster.engine.computation import ClientComputation, Payload, Request, Settings
+from fedcluster.rng import derive_seed, numpy_rng
 
 
 class ClusterModelParams(AlgorithmParams):
@@ -67,6 +67,11 @@ class ClusterModelParams(AlgorithmParams):
     )
     repair: ClusterRepair | None = Field(
         None, description="split incongruent clusters into starved ones (repair.py; None: off)"
+    )
+    choice_on_device: bool = Field(
+        False,
+        description="the device chooses its cluster and trains in one message "
+        "(JGL Alg. 1); off: a decision query, then the training",
     )
 
 
@@ -164,16 +169,61 @@ class ClusterModelAlgorithm(Algorithm):
         )
         return self.ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
 
+    def choose_and_train(self, state: State, rnd: int, selected: np.ndarray) -> Replies:
+        """``choice_on_device``: the selected clients choose, train and upload in one
+        message; the accepted replies (:meth:`ask_device_choice`)."""
+        raise NotImplementedError
+
+    def ask_device_choice(
+        self,
+        computation: ClientComputation,
+        state: ClusterModelState,
+        rnd: int,
+        selected: np.ndarray,
+        rule: Settings,
+        shared: Payload,
+        pins: np.ndarray | None = None,
+    ) -> Replies:
+        """Ask ``selected`` to choose by ``rule`` among the K models (with ``shared``
+        extras, e.g. JGL's Δw), train the chosen one and upload it with the cluster
+        id; ``pins`` [n] (−1: free) allocates clients to a cluster instead. Exact
+        ties are broken on the device from ``tie_seed`` (each client its own
+        stream), so they depend on nothing but the round and the client. Returns
+        the accepted replies (``row``, ``loss``, ``cluster``, ...)."""
+        ctx = self.ctx
+        own = None
+        if pins is not None and (pins >= 0).any():
+            own = tuple({"pin": int(k)} if k >= 0 else {} for k in pins)
+        request = Request(
+            shared={"models": state.models, **shared},
+            settings={
+                "train": ctx.train,
+                "round": rnd,
+                "tie_seed": derive_seed(ctx.seed, f"{self.name}/ties", rnd),
+                **rule,
+            },
+            own_settings=own,
+        )
+        ints = self.upload_ints() - 1  # the cluster id travels in the reply
+        return ctx.ask(computation, selected, request, rnd, metadata_ints=ints)
+
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
-        chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
-        choice = chosen.clusters
-        ex = ctx.exchange(
-            chosen.clients, state.models[choice], rnd, ints=self.upload_ints(), held=True
-        )
-        if not len(ex.clients):
-            return float("nan")
-        choice = choice[ex.keep]
+        if self.params.choice_on_device:
+            replies = self.choose_and_train(state, rnd, selected)
+            ex = Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
+            choice = replies["cluster"].numpy().astype(np.int64)
+            if not len(ex.clients):
+                return float("nan")
+        else:
+            chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
+            choice = chosen.clusters
+            ex = ctx.exchange(
+                chosen.clients, state.models[choice], rnd, ints=self.upload_ints(), held=True
+            )
+            if not len(ex.clients):
+                return float("nan")
+            choice = choice[ex.keep]
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
         old = state.models

@@ -7,6 +7,9 @@ picks the one with the lowest loss (the cluster identity estimate
 the server averages per cluster, weighted by sample count. IFCA is JGL with
 λ = 0 (JGL eq. 4). ``min_cluster_share`` enables the reference code's "good
 initializer" (see :mod:`fedcluster.algorithms.cluster_models`).
+``choice_on_device`` makes the choice and the training one message, as Alg. 1
+has the client do both (:data:`fedcluster.algorithms.jgl.CHOOSE_AND_TRAIN`
+with the loss rule; ties broken on the device).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from pydantic import Field
 
 from fedcluster.algorithms.base import register
+from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.cluster_models import (
     Choice,
     ClusterModelAlgorithm,
@@ -24,6 +28,7 @@ from fedcluster.algorithms.cluster_models import (
     State,
     argmax_random_ties,
 )
+from fedcluster.algorithms.jgl import CHOOSE_AND_TRAIN
 
 
 class IFCAParams(ClusterModelParams):
@@ -46,3 +51,8 @@ class IFCA(ClusterModelAlgorithm):
         )
         choice = argmax_random_ties(-replies["losses"], self.tie_rng(rnd))
         return Choice(replies.clients, choice)
+
+    def choose_and_train(self, state: State, rnd: int, selected: np.ndarray) -> Replies:
+        """The choice (lowest loss) and the training in one message per node."""
+        rule = {"rule": "loss", "batches": self.params.choice_batches}
+        return self.ask_device_choice(CHOOSE_AND_TRAIN, state, rnd, selected, rule, {})

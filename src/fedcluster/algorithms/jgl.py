@@ -4,11 +4,20 @@ Alg. 1 of the paper. Each round the server broadcasts the K cluster models and
 their last updates Δw_k = w_k^t − w_k^{t−1} (eq. 2). Each device, on one
 mini-batch of its own data, computes for every k the loss L_{i,k} (eq. 1, a
 *sum* over the batch) and its gradient ∇L_{i,k}, the similarity S_{i,k}
-(eq. 3) and chooses s_i = argmax_k λ·S_{i,k} + (1 − λ)·(−L_{i,k}) (eq. 4). The
-choice is made on the device (:func:`choose_clusters` is the client
-computation); the device trains the chosen model and uploads (model, s_i);
-the server averages per cluster (eq. 7). Sec. II-C's empty-cluster fix gives
-every empty cluster one randomly chosen device.
+(eq. 3) and chooses s_i = argmax_k λ·S_{i,k} + (1 − λ)·(−L_{i,k}) (eq. 4); the device
+trains the chosen model and uploads (model, s_i); the server averages per
+cluster (eq. 7). Sec. II-C's empty-cluster fix gives every empty cluster one
+randomly chosen device.
+
+Two protocols. By default the device returns its products
+(:data:`GRADIENT_PRODUCTS`) and the server scores, chooses, applies the fix
+and sends each device its model to train (two messages). With
+``choice_on_device`` the device does all of Alg. 1's lines 3-12 in one
+message (:data:`CHOOSE_AND_TRAIN`, which IFCA uses with its loss rule): it
+breaks exact ties from its own stream of a seed the request carries, and the
+fix becomes an allocation in the next round's request
+(:func:`pin_empty_clusters`), since the server sees the choices only with the
+trained models (docs/flower.md, "The choice on the device").
 
 Sign of the similarity. Δw_k points along the *negative* gradient of the
 cluster's devices, so a device whose data agrees with cluster k has ∇L_{i,k}
@@ -40,7 +49,7 @@ simulator computes without forming the K gradients of d floats per device
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -48,6 +57,7 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.base import register
+from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.cluster_models import (
     Choice,
     ClusterModelAlgorithm,
@@ -56,7 +66,13 @@ from fedcluster.algorithms.cluster_models import (
     State,
     argmax_random_ties,
 )
-from fedcluster.engine.client_computations import DECISION_EXEMPTION, n_models
+from fedcluster.engine.client_computations import (
+    DECISION_EXEMPTION,
+    LOSSES,
+    TRAIN,
+    n_models,
+    release_trained,
+)
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -64,6 +80,7 @@ from fedcluster.engine.computation import (
     Request,
     register_computation,
 )
+from fedcluster.rng import numpy_rng
 
 if TYPE_CHECKING:
     from fedcluster.engine.simulator import Simulator
@@ -104,6 +121,38 @@ def jgl_scores(
         sim = -(grad_sq - 2.0 * dot + delta_sq).clamp(min=0.0).sqrt()
     sim = torch.where(delta_sq > 0, sim, torch.zeros_like(sim))
     return lam * sim + (1.0 - lam) * (-loss.double())
+
+
+def eq4_scores(
+    products: Payload,
+    delta: torch.Tensor,
+    train_sizes: np.ndarray,
+    batch_size: int,
+    params: dict,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The losses L_{i,k} and eq. 4's scores [n, K] from the replies of
+    :data:`GRADIENT_PRODUCTS` (``products``: mean loss, ‖∇‖², ⟨∇, Δw_k⟩ on one
+    mini-batch) and the last updates ``delta`` [K, d]; ``params`` holds λ and
+    the readings (:class:`JGLParams`' ``lam``, ``similarity``,
+    ``gradient_sign``, ``loss_reduction``). Where the client is, on the device
+    (``choice_on_device``), or on the server."""
+    loss, grad_sq, grad_dot = products["losses"], products["sq"], products["dot"]
+    if params["loss_reduction"] == "sum":  # eq. 1: L and its gradient are sums over the batch
+        b = torch.as_tensor(np.minimum(train_sizes, batch_size))
+        loss = loss * b.unsqueeze(1).to(loss.dtype)
+        grad_sq = grad_sq * b.unsqueeze(1).double().square()
+        grad_dot = grad_dot * b.unsqueeze(1).double()
+    delta_sq = delta.double().square().sum(dim=1)
+    scores = jgl_scores(
+        loss,
+        grad_sq,
+        grad_dot,
+        delta_sq,
+        params["lam"],
+        params["similarity"],
+        params["gradient_sign"],
+    )
+    return loss, scores
 
 
 def loss_choice_differences(choice: np.ndarray, loss: torch.Tensor) -> int:
@@ -154,6 +203,99 @@ GRADIENT_PRODUCTS = register_computation(
 on one mini-batch, ‖∇L_{i,k}‖² and ⟨∇L_{i,k}, Δw_k⟩ with the received last update Δw_k."""
 
 
+def pin_empty_clusters(last: np.ndarray, n_clusters: int, rng: np.random.Generator) -> np.ndarray:
+    """Sec. II-C when the device chooses: the clusters [n] (−1: free) the server
+    allocates the asked clients to in its request.
+
+    ``last`` [n] is each asked client's cluster of its last accepted upload (−1:
+    none). A cluster none of them was last in gets one of them, drawn as
+    :func:`fix_empty_clusters` draws a device from a cluster that can spare one;
+    that device trains the cluster's model instead of choosing, so the cluster's
+    Δw_k moves again (the paper's reason for the fix).
+    """
+    pins = np.full(len(last), -1, dtype=np.int64)
+    known = np.flatnonzero(last >= 0)
+    if len(known):
+        fixed = fix_empty_clusters(last[known], n_clusters, rng)
+        moved = fixed != last[known]
+        pins[known[moved]] = fixed[moved]
+    return pins
+
+
+def _choose_and_train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    """Each client's eq. 4 (``rule: jgl``) or IFCA (``rule: loss``) choice among the K
+    received models, then local training of the chosen (or allocated) one."""
+    s = request.settings
+    models = request.shared["models"]
+    if s["rule"] == "jgl":
+        products = GRADIENT_PRODUCTS.batched_run(sim, clients, request)
+        sizes = sim.federation.train_sizes[clients]
+        loss, scores = eq4_scores(
+            products, request.shared["directions"], sizes, s["train"].batch_size, s
+        )
+    else:
+        loss = LOSSES.batched_run(sim, clients, request)["losses"]
+        scores = -loss
+    ids = sim.client_ids[clients]
+    choice = np.array(
+        [
+            argmax_random_ties(scores[i : i + 1], numpy_rng(s["tie_seed"], "device", int(c)))[0]
+            for i, c in enumerate(ids)
+        ],
+        dtype=np.int64,
+    ).reshape(-1)
+    differs = choice != loss.argmin(dim=1).numpy()
+    pins = np.array([request.settings_of(i).get("pin", -1) for i in range(len(clients))])
+    choice = np.where(pins >= 0, pins, choice).astype(np.int64)
+    start = models[torch.as_tensor(choice)]
+    training = Request(own={"start": start}, settings={"train": s["train"], "round": s["round"]})
+    assert TRAIN.batched_run is not None
+    trained = TRAIN.batched_run(sim, clients, training)
+    return {
+        **trained,
+        "cluster": torch.as_tensor(choice, dtype=torch.int32),
+        "differs": torch.as_tensor(differs, dtype=torch.int64),
+    }
+
+
+def _release_chosen(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
+    """Local DP of the model each client trained from the cluster model it chose."""
+    start = request.shared["models"][reply["cluster"].long()]
+    return release_trained(request, reply, clients, seed, start)
+
+
+def _cluster_in_range(request: Request, reply: Payload) -> list[str | None]:
+    k = request.shared["models"].shape[0]
+    return [
+        None if 0 <= c < k else f"cluster id {c} outside 0..{k - 1}"
+        for c in reply["cluster"].tolist()
+    ]
+
+
+CHOOSE_AND_TRAIN = register_computation(
+    replace(  # a training (its DP release, cost and update bound) that chooses its start
+        TRAIN,
+        name="choose-and-train",
+        reply={
+            **TRAIN.reply,
+            "row": ReplyField(lambda r: (r.shared["models"].shape[1],)),
+            "cluster": ReplyField((), dtype=torch.int32),
+            "differs": ReplyField((), counted=False, dtype=torch.int64),
+        },
+        batched_run=_choose_and_train,
+        release=_release_chosen,
+        update=("row", "models"),
+        start_index="cluster",
+        check=_cluster_in_range,
+    )
+)
+"""JGL Alg. 1 on the device (``choice_on_device``): receive the K models (JGL: and
+their updates Δw_k, and λ with the readings of eq. 1/3/4 in the settings), choose
+(eq. 3-4; IFCA: the lowest loss), train the chosen model, upload it with the
+cluster id (counted: the model and one int32). The decision's losses stay on the
+device; ``differs`` (eq. 4's choice is not the loss argmin) is instrumentation."""
+
+
 @dataclass
 class JGLState(ClusterModelState):
     differs_from_loss_choice: int | None = None
@@ -178,20 +320,38 @@ class JGL(ClusterModelAlgorithm):
         )
         replies = ctx.ask(GRADIENT_PRODUCTS, selected, request, rnd)
         selected = replies.clients
-        loss, grad_sq, grad_dot = replies["losses"], replies["sq"], replies["dot"]
-        if p.loss_reduction == "sum":  # eq. 1: L and its gradient are sums over the batch
-            b = torch.as_tensor(np.minimum(ctx.train_sizes[selected], ctx.train.batch_size))
-            loss = loss * b.unsqueeze(1).to(loss.dtype)
-            grad_sq = grad_sq * b.unsqueeze(1).double().square()
-            grad_dot = grad_dot * b.unsqueeze(1).double()
-        delta_sq = delta.double().square().sum(dim=1)
-        scores = jgl_scores(loss, grad_sq, grad_dot, delta_sq, p.lam, p.similarity, p.gradient_sign)
+        loss, scores = eq4_scores(
+            replies.fields, delta, ctx.train_sizes[selected], ctx.train.batch_size, vars(p)
+        )
         rng = self.tie_rng(rnd)
         choice = argmax_random_ties(scores, rng)
         state.differs_from_loss_choice = loss_choice_differences(choice, loss)
         if p.empty_cluster_fix:
             choice = fix_empty_clusters(choice, p.n_clusters, rng)
         return Choice(selected, choice)
+
+    def choose_and_train(self, state: JGLState, rnd: int, selected: np.ndarray) -> Replies:
+        """Alg. 1 in one message per node (:data:`CHOOSE_AND_TRAIN`); Sec. II-C's fix
+        allocates a device to each cluster none of the asked devices was last in
+        (:func:`pin_empty_clusters`), since the server sees this round's choices only
+        with the trained models."""
+        p = self.params
+        pins = None
+        if p.empty_cluster_fix:
+            rng = numpy_rng(self.ctx.seed, f"{self.name}/pins", rnd)
+            pins = pin_empty_clusters(state.assign[selected], p.n_clusters, rng)
+        rule = {
+            "rule": "jgl",
+            "lam": p.lam,
+            "similarity": p.similarity,
+            "gradient_sign": p.gradient_sign,
+            "loss_reduction": p.loss_reduction,
+        }
+        replies = self.ask_device_choice(
+            CHOOSE_AND_TRAIN, state, rnd, selected, rule, {"directions": state.delta}, pins
+        )
+        state.differs_from_loss_choice = int(replies["differs"].sum())
+        return replies
 
     def init_state(self) -> JGLState:
         return JGLState(**vars(super().init_state()))

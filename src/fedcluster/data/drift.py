@@ -25,7 +25,7 @@ run on a fresh copy of the federation gives the same data (resume).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -66,14 +66,28 @@ class DriftPool:
     partition: Partition
 
 
+def _angle(event: DriftEvent) -> float:
+    """A rotation's angle: the configured one, else uniform in [0, 360) from the event's seed."""
+    return float(event.rng().uniform(0.0, 360.0)) if event.angle is None else float(event.angle)
+
+
+def planned_detail(event: DriftEvent) -> str | None:
+    """The description :func:`apply_drift` returns, where it does not depend on the
+    client's data (``rotate``; ``swap_labels`` with its labels given), else None."""
+    if event.kind == "rotate":
+        return f"rotated by {_angle(event):.1f} degrees"
+    if event.kind == "swap_labels" and event.labels is not None:
+        return "swapped labels {} and {}".format(*event.labels)
+    return None
+
+
 def apply_drift(federation: Federation, event: DriftEvent, pool: DriftPool | None = None) -> str:
     """Apply ``event`` to ``federation`` in place; returns a one-line description."""
     rng = event.rng()
     client = event.client
     if event.kind == "rotate":
-        angle = float(rng.uniform(0.0, 360.0)) if event.angle is None else float(event.angle)
-        rotate_client(federation, client, angle)
-        return f"rotated by {angle:.1f} degrees"
+        rotate_client(federation, client, _angle(event))
+        return str(planned_detail(event))
     if event.kind == "swap_labels":
         a, b = event.labels if event.labels is not None else _two_labels(federation, client, rng)
         swap_client_labels(federation, client, a, b)
@@ -85,6 +99,42 @@ def apply_drift(federation: Federation, event: DriftEvent, pool: DriftPool | Non
         )
     counts = redraw_client(federation, client, pool, event.alpha, rng)
     return "new label counts " + " ".join(f"{c}:{n}" for c, n in enumerate(counts) if n)
+
+
+@dataclass
+class DriftReplay:
+    """One client's data as of the drift events it was told, kept where the data is.
+
+    A Flower node holds the client's one-client ``federation``; every message
+    carries the client's drift events of the job so far. :meth:`follow`
+    applies the ones not yet applied, or, when the list is not a continuation
+    of what was applied (a new job, whose data starts undrifted), restores the
+    data as exported and applies them all. Each event draws from its own seed,
+    so the data equals the simulator's copy after the same events.
+    """
+
+    federation: Federation
+    original: Federation | None = None
+    applied: tuple[int, ...] = ()
+
+    def follow(self, events: list[DriftEvent]) -> None:
+        """Bring the data to ``events`` (the client's events in order; client 0 here)."""
+        seeds = tuple(e.seed for e in events)
+        if seeds == self.applied:
+            return
+        fed = self.federation
+        if self.original is None:
+            self.original = fed.clone()
+        if seeds[: len(self.applied)] != self.applied:
+            for name in ("x_train", "y_train", "x_test", "y_test"):
+                getattr(fed, name).copy_(getattr(self.original, name))
+            if fed.rotations is not None and self.original.rotations is not None:
+                fed.rotations[:] = self.original.rotations
+            fed.data_changed(0)
+            self.applied = ()
+        for event in events[len(self.applied) :]:
+            apply_drift(fed, replace(event, client=0))
+        self.applied = seeds
 
 
 def rotate_client(federation: Federation, client: int, degrees: float) -> None:

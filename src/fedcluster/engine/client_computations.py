@@ -52,15 +52,23 @@ def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
     return {"row": result.rows, "loss": result.loss, "steps": result.steps}
 
 
-def _release_training(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
-    """Local DP of a trained model (:func:`fedcluster.dp.release_uploads`), where the client is."""
+def release_trained(
+    request: Request, reply: Payload, clients: np.ndarray, seed: int, start: torch.Tensor
+) -> Payload:
+    """Local DP of the models ``reply["row"]`` trained from ``start`` [n, d]
+    (:func:`fedcluster.dp.release_uploads`), where the client is."""
     assert request.own_settings is not None
     tickets = [s["ticket"] for s in request.own_settings]
-    start = request.rows("start", np.arange(len(clients)))
     rows = release_uploads(
         tickets, clients, start, reply["row"], reply["steps"], seed, request.settings["round"]
     )
     return {**reply, "row": rows}
+
+
+def _release_training(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
+    """Local DP of a model trained from the received start row."""
+    start = request.rows("start", np.arange(len(clients)))
+    return release_trained(request, reply, clients, seed, start)
 
 
 TRAIN = register_computation(

@@ -181,6 +181,9 @@ class ClientComputation:
     update: tuple[str, str] | None = None
     """``(reply field, request field)``: the reply is a model trained from that start
     row, so the server's update bound and simulated faulty clients apply to it."""
+    start_index: str | None = None
+    """With ``update``: a reply field holding the index of the row of the request field
+    the client trained from (a device that chose its start among K models)."""
     release_cost: str | None = None
     """Reply field holding what a release costs the client's budget at record level
     (the DP-SGD steps of a training); without it a release costs one step."""
@@ -220,6 +223,18 @@ class ClientComputation:
         if self.release is not None and own and "ticket" in own[0]:
             reply = self.release(request, reply, runner.client_ids[clients], runner.seed)
         return reply
+
+    def start_rows(self, request: Request, fields: Payload, positions: np.ndarray) -> torch.Tensor:
+        """The start rows [m, d] of the model uploads ``fields`` of the clients at
+        ``positions`` among those asked (``update``'s request field, or its row each
+        client chose: ``start_index``; an index out of range reads the nearest row, and
+        the computation's ``check`` rejects it)."""
+        assert self.update is not None
+        _, name = self.update
+        if self.start_index is not None:
+            rows = request.shared[name]
+            return rows[fields[self.start_index].long().clamp(0, len(rows) - 1)]
+        return request.rows(name, positions)
 
     def bytes_up(self, request: Request) -> int:
         """Bytes of one client's upload: its counted reply fields."""

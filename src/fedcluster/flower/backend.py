@@ -33,6 +33,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 from torch import nn
 
+from fedcluster.data.drift import DriftEvent, planned_detail
 from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.computation import (
     ClientComputation,
@@ -171,6 +172,16 @@ class FlowerBackend(ClientClock):
         self.seed = seed
         self.timeout = timeout
         self._experiment = experiment
+        self.drifts: dict[int, list[DriftEvent]] = {}
+        """Client -> the job's drift events so far: its node applies them to its own
+        data before computing (every message carries its clients' events)."""
+
+    def drift(self, event: DriftEvent) -> str:
+        """Record a drift event of the job (the runner calls it at the start of the
+        event's round, as the simulator applies it); its description where that does
+        not depend on the client's data (which only its node holds)."""
+        self.drifts.setdefault(event.client, []).append(event)
+        return planned_detail(event) or "two of its labels, drawn on its node"
 
     def run(
         self, computation: ClientComputation, clients: np.ndarray, request: Request
@@ -210,6 +221,9 @@ class FlowerBackend(ClientClock):
         messages = []
         for node, positions in by_node.items():
             arrays, config = protocol.encode_clients(request, positions, clients[positions])
+            drifted = {int(c): self.drifts[int(c)] for c in clients[positions] if c in self.drifts}
+            if drifted:
+                config[protocol.DRIFT] = protocol.encode_drift(drifted)
             messages.append(
                 Message(
                     protocol.request(arrays, {**base, **config}),

@@ -22,6 +22,7 @@ as the ClientApp (docs/flower.md).
 from __future__ import annotations
 
 import logging
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -33,6 +34,7 @@ from flwr.clientapp import ClientApp
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
 from fedcluster.config import validate_config
+from fedcluster.data.drift import DriftEvent, DriftReplay
 from fedcluster.engine.computation import lookup_computation
 from fedcluster.engine.simulator import Simulator
 from fedcluster.flower import protocol
@@ -55,6 +57,17 @@ def _client(experiment: str, seed: int, client: int) -> Simulator:
     # one thread per node: the nodes of a simulation share the machine
     model = model_for(config, own)
     return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
+
+
+_DRIFT: weakref.WeakKeyDictionary[Simulator, DriftReplay] = weakref.WeakKeyDictionary()
+
+
+def _follow_drift(sim: Simulator, events: list[DriftEvent]) -> None:
+    """Bring the client's data to its drift events of the job (scenario.drift, applied
+    where the data is; none: the data as exported)."""
+    if events or sim in _DRIFT:
+        replay = _DRIFT.setdefault(sim, DriftReplay(sim.federation))
+        replay.follow(events)
 
 
 def _simulator(context: Context, experiment: str, seed: int, client: int) -> Simulator:
@@ -147,11 +160,13 @@ def _compute(msg: Message, context: Context) -> Message:
         str(config["computation"]), str(config.get("computation_module", "")) or None
     )
     replies: list[dict[str, torch.Tensor] | str] = []
+    drift = protocol.decode_drift(str(config[protocol.DRIFT])) if protocol.DRIFT in config else {}
     for client, request in protocol.split_clients(
         protocol.tensors(msg.content), dict(config.items())
     ):
         try:
             sim = _simulator(context, experiment, seed, client)
+            _follow_drift(sim, drift.get(client, []))
             reply = computation.run(sim, np.array([0]), request)
         except Exception as exc:  # noqa: BLE001 -- travels back as this client's error
             log.exception("client %d: %s failed", client, computation.name)

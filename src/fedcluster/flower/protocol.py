@@ -32,6 +32,7 @@ allow). The server keeps the ledger.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
+from fedcluster.data.drift import DriftEvent
 from fedcluster.dp import RecordDP, UploadTicket
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.computation import Request, Settings
@@ -250,3 +252,29 @@ def settings(content: RecordDict) -> ConfigRecord:
     record = content["config"]
     assert isinstance(record, ConfigRecord)
     return record
+
+
+DRIFT = "drift"
+"""Settings key of a message's drift events: ``{client id: [event, ...]}`` as JSON."""
+
+
+def encode_drift(events: Mapping[int, Sequence[DriftEvent]]) -> str:
+    """The drift events of a message's clients (each client's events of the job so
+    far, in order) as one ConfigRecord string."""
+    return json.dumps(
+        {
+            str(c): [{k: v for k, v in asdict(e).items() if k != "client"} for e in client_events]
+            for c, client_events in events.items()
+        }
+    )
+
+
+def decode_drift(text: str) -> dict[int, list[DriftEvent]]:
+    """The events :func:`encode_drift` wrote, each for its client."""
+    out: dict[int, list[DriftEvent]] = {}
+    for c, client_events in json.loads(text).items():
+        out[int(c)] = [
+            DriftEvent(**{**e, "client": int(c), "labels": e["labels"] and tuple(e["labels"])})
+            for e in client_events
+        ]
+    return out

@@ -14,8 +14,12 @@ checkpoints -- is the simulator's, so a run through Flower writes the same
   the run config keys ``config`` (a YAML path), ``preset``, ``out``,
   ``round-timeout`` and ``min-replies`` (:mod:`fedcluster.flower.app`).
 
-Not supported on this backend yet (a clear error, before any message is
-sent): data drift, which the simulator applies to data the server holds.
+Data drift (``scenario.drift``) is applied by each node to its own clients'
+data: the runner records each event with the backend at the start of its
+round, and every message carries its clients' events of the job so far
+(:meth:`FlowerBackend.drift`, :class:`~fedcluster.data.drift.DriftReplay`).
+Not supported (a clear error, before any message is sent): the
+``redistribute`` drift, which draws from the whole dataset.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from fedcluster.runner import Experiment, JobResult
 
 
 def check_supported(config: ExperimentConfig) -> None:
-    """Raise :class:`ConfigError` for what the Flower backend cannot run yet."""
-    if config.scenario.drift:
-        raise ConfigError(
-            "scenario.drift: data drift changes data the server holds in simulation; "
-            "it is not available on the Flower backend"
-        )
+    """Raise :class:`ConfigError` for what the Flower backend cannot run."""
+    for i, drift in enumerate(config.scenario.drift):
+        if drift.kind == "redistribute":
+            raise ConfigError(
+                f"scenario.drift.{i}.kind: 'redistribute' redraws a client's samples from "
+                "the whole dataset, which no node holds; it is not available on the Flower "
+                "backend (rotate and swap_labels are)"
+            )
 
 
 class FlowerBackends:
