@@ -147,7 +147,6 @@ class FeSEM(Algorithm):
         rows, owner = eval_rows_with_average(state.centres, state.assign)
         ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
         selected, local, m = ex.clients, ex.rows, len(ex.clients)
-        starts = rows[owner[selected]]
         sizes = ctx.train_sizes[selected]
         if m == 0 or (not state.seeded and m < p.n_clusters):
             return weighted_loss(ex.loss, sizes)  # too few accepted models: nothing changes
@@ -163,10 +162,20 @@ class FeSEM(Algorithm):
         weights = sizes if p.weighting == "samples" else np.ones(m)
         old = state.centres
         state.centres = cluster_average(local, choice, state.centres, weights, ctx.aggregate)
-        fixed = apply_repair(
-            p.repair, rnd, old, state.centres, torch.zeros_like(old), local, choice, weights, starts
-        )
-        if fixed is not None:
+        if p.repair is not None:  # FeSEM keeps no Δw: the repair's is zeros and dropped
+            starts = rows[owner[selected]]  # the model each client trained from
+            fixed = apply_repair(
+                p.repair,
+                rnd,
+                old,
+                state.centres,
+                torch.zeros_like(old),
+                local,
+                choice,
+                weights,
+                starts,
+            )
+            assert fixed is not None
             state.centres, choice = fixed.models, fixed.choice
             state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
         state.assign[selected] = choice
