@@ -247,7 +247,7 @@ def test_drift_is_applied_by_each_node_to_its_own_clients(tmp_path):
         assert got["detail"] == want["detail"] or drawn_labels
 
 
-def test_dcfl_emnist_dynamic_on_nodes_equals_the_simulator(tmp_path):
+def test_dcfl_emnist_dynamic_on_nodes_equals_the_simulator(tmp_path, shared_data_dir):
     """The dcfl-emnist-dynamic preset (EMNIST, per-client rotations, newcomers, a
     random client's rotation drifting, client-level local DP; DCFL, CFL, FedAvg),
     scaled down: 8 clients of 100 samples, 4 rounds, newcomers and drift every 2
@@ -257,7 +257,10 @@ def test_dcfl_emnist_dynamic_on_nodes_equals_the_simulator(tmp_path):
         overrides={
             "rounds": 4,
             "eval_every": 1,
-            "data": {"partition": {"base_options": {"n_clients": 8, "samples_per_client": 100}}},
+            "data": {
+                "data_dir": str(shared_data_dir),
+                "partition": {"base_options": {"n_clients": 8, "samples_per_client": 100}},
+            },
             "model": {"options": {"hidden": [16]}},
             "scenario": {
                 "joins": {"every": 2, "count": 2, "first": 2},
