@@ -252,5 +252,5 @@ def test_finite_and_norm_checks_are_exact_at_float32_extremes(federation):
     finite = ctx.channel.accept_finite(clients, huge, rnd=1, what="update")
     assert finite.tolist() == [True, False, False, True]
     ctx.channel.bound = UpdateBound(norm_factor=None, max_norm=1e21)
-    kept = ctx.channel.accept_bounded(clients, huge, finite, rnd=1)
+    kept = ctx.channel.accept_bounded(clients, huge, torch.zeros_like(huge), finite, rnd=1)
     assert kept.tolist() == [False, False, False, True]  # ‖row 3‖ = 1.41e20 ≤ 1e21 < ‖row 0‖

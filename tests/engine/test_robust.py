@@ -226,7 +226,7 @@ def test_the_channel_records_the_rounds_accepted_update_norms():
     clients = np.arange(4)
     updates = torch.tensor([[3.0, 4.0], [0.0, 1.0], [float("nan"), 0.0], [6.0, 8.0]])
     finite = np.array([True, True, False, True])
-    keep = ctx.channel.accept_bounded(clients, updates, finite, rnd=1)
+    keep = ctx.channel.accept_bounded(clients, updates, torch.zeros_like(updates), finite, rnd=1)
     assert keep.tolist() == [True, True, False, True]
     assert ctx.channel.update_norms == pytest.approx([5.0, 1.0, 10.0])
     ctx.channel.start_round()

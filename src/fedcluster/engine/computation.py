@@ -87,9 +87,13 @@ class Request:
 
     def rows(self, name: str, positions: np.ndarray) -> torch.Tensor:
         """Row field ``name`` [m, d] of the clients at ``positions`` among those asked:
-        their own rows, or the shared row broadcast."""
+        their own rows (all of them in order: the field itself, not a copy), or the
+        shared row broadcast."""
         if name in self.own:
-            return self.own[name][torch.as_tensor(positions, dtype=torch.int64)]
+            rows = self.own[name]
+            if np.array_equal(positions, np.arange(len(rows))):
+                return rows
+            return rows[torch.as_tensor(positions, dtype=torch.int64)]
         return self.shared[name].expand(len(positions), -1)
 
     def bytes_down(self) -> int:
