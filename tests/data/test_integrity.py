@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -13,15 +14,16 @@ import pytest
 from fedcluster.cli import main
 from fedcluster.data.download import SOURCES
 from fedcluster.data.idx import read_idx
-from fedcluster.data.sources import resolve_data_dir
 
 LABELS = "mnist/train-labels-idx1-ubyte.gz"
 
 
 @pytest.fixture
-def real_labels() -> Path:
-    path = resolve_data_dir(None) / LABELS
+def real_labels(shared_data_dir: Path) -> Path:
+    path = shared_data_dir / LABELS
     if not path.is_file():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"needs the real MNIST label file ({path}; CI=true: real data required)")
         pytest.skip(f"needs the real MNIST label file ({path})")
     return path
 
