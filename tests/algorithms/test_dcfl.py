@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedcluster.algorithms.dcfl import DCFL
-from fedcluster.clustering.distances import DCFL_VARIANTS
+from fedcluster.clustering.distances import DCFL_VARIANTS, dcfl_distance_matrix
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
@@ -160,3 +160,45 @@ def test_same_seed_same_numbers_and_checkpoint_resume(rotated):
     assert torch.equal(resumed.models, full.models)
     assert np.array_equal(resumed.assign, full.assign)
     assert resumed.dunn == full.dunn
+
+
+def test_a_sample_of_the_updates_finds_the_groups_the_exact_clustering_finds(rotated):
+    """Above ``max_exact_participants`` the Dunn index and affinity propagation run on a
+    sample of the round's updates and the others join their nearest exemplar: the
+    rotation groups are found as by the exact clustering (12 of 20 updates: about 3
+    of each group; with 2 per group, 8 or 10 of 20, two groups can stay merged), the
+    same seed gives the same models, and at the limit itself every round is exact
+    (the same models as without a limit)."""
+    everyone = np.arange(rotated.n_clients)
+
+    def final(**params):
+        alg = make_dcfl(rotated, **params)
+        state = alg.init_state()
+        run(alg, state, range(1, 7), everyone)
+        return alg.clusters(state), state.models
+
+    exact_labels, exact_models = final(max_exact_participants=None)
+    sampled_labels, sampled_models = final(max_exact_participants=12)
+    assert ari(rotated.groups, exact_labels) == 1.0
+    assert ari(rotated.groups, sampled_labels) == 1.0
+    assert torch.equal(final(max_exact_participants=12)[1], sampled_models)
+    assert torch.equal(final(max_exact_participants=rotated.n_clients)[1], exact_models)
+
+
+def test_updates_outside_the_sample_join_their_nearest_exemplar_by_eq_2(rotated):
+    """The labels of the updates outside the sample are the argmin of the full eq. 2
+    distance matrix over the exemplars' columns; the sample keeps its own labels."""
+    alg = make_dcfl(rotated, max_exact_participants=6)
+    gen = torch.Generator().manual_seed(0)
+    origins = torch.randn(16, 30, generator=gen)
+    ends = origins + torch.randn(16, 30, generator=gen)
+    sample = alg._sample(16, rnd=3)
+    assert sample is not None and len(sample) == 6 and (np.diff(sample) > 0).all()
+    exemplars = sample[[1, 4]]
+    sample_labels = np.array([0, 0, 1, 0, 1, 1])
+    sample_labels[[1, 4]] = [0, 1]
+    labels = alg._nearest_exemplar(origins, ends, sample, exemplars, sample_labels)
+    full = dcfl_distance_matrix(origins, ends)
+    rest = np.setdiff1d(np.arange(16), sample)
+    np.testing.assert_array_equal(labels[rest], full[rest][:, exemplars].argmin(dim=1).numpy())
+    np.testing.assert_array_equal(labels[sample], sample_labels)

@@ -10,6 +10,7 @@ from sklearn.exceptions import ConvergenceWarning
 from fedcluster.clustering.distances import cosine_similarity_matrix, euclidean_distance_matrix
 from fedcluster.clustering.methods import (
     affinity_propagation,
+    affinity_propagation_exemplars,
     bipartition,
     hierarchical,
     kmeans_pp,
@@ -58,6 +59,28 @@ def test_affinity_propagation_without_exemplars_gives_one_cluster() -> None:
     with pytest.warns(ConvergenceWarning):
         labels = affinity_propagation(-euclidean_distance_matrix(torch.as_tensor(x)), max_iter=1)
     np.testing.assert_array_equal(labels, np.zeros(len(x), dtype=np.int64))
+
+
+def test_affinity_propagation_exemplars_are_each_clusters_most_similar_point() -> None:
+    """Every point's cluster is that of its most similar exemplar (Frey & Dueck's
+    assignment), each exemplar lies in its own cluster, and the labels are those of
+    :func:`affinity_propagation`."""
+    x, truth = _blobs(n_per=12, seed=3)
+    sim = -euclidean_distance_matrix(torch.as_tensor(x)).numpy()
+    exemplars, labels = affinity_propagation_exemplars(sim)
+    np.testing.assert_array_equal(labels, affinity_propagation(sim))
+    assert ari(truth, labels) == 1.0
+    np.testing.assert_array_equal(labels[exemplars], np.arange(len(exemplars)))
+    np.testing.assert_array_equal(sim[:, exemplars].argmax(axis=1), labels)
+
+
+def test_affinity_propagation_without_exemplars_names_the_medoid() -> None:
+    x, _ = _blobs()
+    sim = -euclidean_distance_matrix(torch.as_tensor(x)).numpy()
+    with pytest.warns(ConvergenceWarning):
+        exemplars, labels = affinity_propagation_exemplars(sim, max_iter=1)
+    assert not labels.any()
+    assert exemplars.tolist() == [int(sim.sum(axis=1).argmax())]  # the diagonal is 0
 
 
 def test_kmeans_pp_recovers_blobs() -> None:

@@ -45,6 +45,20 @@ Choices where the paper is silent, taken here:
   round-1 participants form C_0 whatever their uploads. A rejected newcomer
   stays unassigned, skips the round and is a newcomer again when next
   selected. A round without an accepted update changes nothing.
+- Large rounds (not in the paper, whose federations have tens of clients):
+  with more than ``max_exact_participants`` accepted updates (default 500),
+  the distances, the Dunn index and affinity propagation are computed on a
+  seeded random sample of that many, and every other update joins the
+  cluster of its nearest exemplar by eq. 2 (affinity propagation's own
+  assignment rule). That keeps the O(n²) steps at O(s²) + O(n·K): at 1,000
+  participants of 10,000 clients they were half the round
+  (docs/benchmarks.md). While the sample holds two clusters or more, its
+  Dunn index is never below the full one (fewer pairs in its minimum and its
+  maximum), so it re-clusters no more often. A sample needs several members
+  of every group: with two of each (8 of 20 rotated-MNIST clients in
+  tests/algorithms/test_dcfl.py) two groups can stay merged, with three or
+  more they were found as by the exact clustering. ``null`` keeps every
+  round exact.
 - ``state.dunn`` is the DI that decided the round (that of the clustering
   in force during the round); ``state.reclusterings`` counts re-clusterings.
 
@@ -68,7 +82,7 @@ from pydantic import Field
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
 from fedcluster.clustering.distances import DcflVariant, dcfl_distance_matrix, dcfl_distance_to
-from fedcluster.clustering.methods import affinity_propagation
+from fedcluster.clustering.methods import affinity_propagation_exemplars
 from fedcluster.clustering.validity import dunn_index
 from fedcluster.rng import numpy_rng
 
@@ -94,6 +108,13 @@ class DCFLParams(AlgorithmParams):
         description="affinity-propagation preference on −distance (higher: more clusters)",
     )
     damping: float = Field(0.5, ge=0.5, lt=1.0, description="affinity-propagation damping")
+    max_exact_participants: int | None = Field(
+        500,
+        ge=2,
+        description="above this many accepted updates in a round, the Dunn index and "
+        "affinity propagation run on a random sample of this many and the others join "
+        "their nearest exemplar (O(s²) instead of O(n²)); null: always exact",
+    )
 
 
 @register
@@ -128,15 +149,22 @@ class DCFL(Algorithm):
             return float("nan")
         selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
 
-        dist = dcfl_distance_matrix(start, ex.rows, variant=self.params.variant)
-        state.dunn = dunn_index(dist, labels)
+        sample = self._sample(len(selected), rnd)
+        s_start, s_rows = (start, ex.rows) if sample is None else (start[sample], ex.rows[sample])
+        dist = dcfl_distance_matrix(s_start, s_rows, variant=self.params.variant)
+        state.dunn = dunn_index(dist, labels if sample is None else labels[sample])
         previous = state.models
         if len(previous) == 1 or state.dunn < 1.0:
-            labels = affinity_propagation(
+            exemplars, s_labels = affinity_propagation_exemplars(
                 -dist,
                 preference=self.params.preference,
                 damping=self.params.damping,
                 random_state=int(numpy_rng(ctx.seed, "dcfl/ap", rnd).integers(2**31)),
+            )
+            labels = (
+                s_labels
+                if sample is None
+                else self._nearest_exemplar(start, ex.rows, sample, sample[exemplars], s_labels)
             )
             previous = self._recluster(state, selected, labels)
             state.reclusterings += 1
@@ -144,6 +172,40 @@ class DCFL(Algorithm):
             ex.rows, labels, previous, aggregate=ctx.aggregate, start=start
         )
         return weighted_loss(ex.loss, ctx.train_sizes[selected])
+
+    def _sample(self, n: int, rnd: int) -> np.ndarray | None:
+        """Positions (sorted) of the round's updates the clustering runs on when there
+        are more than ``max_exact_participants`` of them; None: all of them."""
+        limit = self.params.max_exact_participants
+        if limit is None or n <= limit:
+            return None
+        rng = numpy_rng(self.ctx.seed, "dcfl/sample", rnd)
+        return np.sort(rng.choice(n, size=limit, replace=False))
+
+    def _nearest_exemplar(
+        self,
+        origins: torch.Tensor,
+        ends: torch.Tensor,
+        sample: np.ndarray,
+        exemplars: np.ndarray,
+        sample_labels: np.ndarray,
+    ) -> np.ndarray:
+        """Labels [n] of all updates: the sample's from affinity propagation, every other
+        one that of its nearest exemplar (``exemplars[k]``: cluster k's position among
+        all) by the round's distance (eq. 2), as affinity propagation assigns the
+        points it clusters."""
+        labels = np.empty(len(ends), dtype=np.int64)
+        labels[sample] = sample_labels
+        rest = np.setdiff1d(np.arange(len(ends)), sample)
+        dist = dcfl_distance_to(
+            origins[rest],
+            ends[rest],
+            origins[exemplars],
+            ends[exemplars],
+            variant=self.params.variant,
+        )
+        labels[rest] = dist.argmin(dim=1).numpy()  # exemplars[k] is cluster k's
+        return labels
 
     def _recluster(self, state: State, selected: np.ndarray, labels: np.ndarray) -> torch.Tensor:
         """Install the participants' new ``labels``; returns the models new clusters start from.

@@ -51,17 +51,40 @@ def affinity_propagation(
     ``ConvergenceWarning`` and would label every point -1), all clients are put
     in one cluster -- DCFL then re-clusters at the next round.
     """
+    return affinity_propagation_exemplars(
+        similarity,
+        preference=preference,
+        damping=damping,
+        max_iter=max_iter,
+        convergence_iter=convergence_iter,
+        random_state=random_state,
+    )[1]
+
+
+def affinity_propagation_exemplars(
+    similarity: ArrayLike,
+    *,
+    preference: float | Literal["median"] = "median",
+    damping: float = 0.5,
+    max_iter: int = 200,
+    convergence_iter: int = 15,
+    random_state: int | None = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`affinity_propagation` with its exemplars: ``(exemplars [K], labels [n])``,
+    ``exemplars[k]`` the index of cluster k's exemplar (each point's cluster is that
+    of its most similar exemplar). Where no exemplar emerged (one cluster of all),
+    the exemplar is the point of largest total similarity to the others."""
     sim = as_square(similarity, "similarity")
     n = sim.shape[0]
     if n == 1:
-        return np.zeros(1, dtype=np.int64)
+        return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     if preference == "median":
         pref = float(np.median(sim[~np.eye(n, dtype=bool)]))
     elif isinstance(preference, Real):
         pref = float(preference)
     else:
         raise ConfigError(f"preference: expected 'median' or a number, got {preference!r}")
-    _, labels = sk_affinity_propagation(
+    centers, labels = sk_affinity_propagation(
         sim,
         preference=pref,
         damping=damping,
@@ -70,8 +93,12 @@ def affinity_propagation(
         random_state=random_state,
     )
     if (labels < 0).all():
-        labels = np.zeros(n, dtype=np.int64)
-    return relabel(labels)
+        off_diagonal = np.where(np.eye(n, dtype=bool), 0.0, sim)
+        return np.array([int(off_diagonal.sum(axis=1).argmax())]), np.zeros(n, dtype=np.int64)
+    new = relabel(labels)
+    exemplars = np.empty(int(new.max()) + 1, dtype=np.int64)
+    exemplars[new] = np.asarray(centers, dtype=np.int64)[labels]
+    return exemplars, new
 
 
 def kmeans_pp(
