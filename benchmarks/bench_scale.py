@@ -1,7 +1,8 @@
 """Federations of 1,000 to 10,000 clients: time per round by step, peak memory.
 
 Issue 14, item 4. FedAvg, IFCA, FedGroup (EDC + k-means++) and DCFL (eq. 2 +
-affinity propagation) run ``--rounds`` rounds on a synthetic clustered
+affinity propagation, sampled above 500 participants; ``dcfl-exact``: never
+sampled) run ``--rounds`` rounds on a synthetic clustered
 federation of n clients (``--sizes``, default 1k, 3k, 10k): 4 hidden groups,
 each with its own linear labelling rule (FedProx's Synthetic construction,
 :mod:`fedcluster.data.synthetic`, with one rule per group), 20-100 training and
@@ -58,13 +59,19 @@ ALGORITHMS = {
     "ifca": {"name": "ifca", "params": {"n_clusters": 4}},
     "fedgroup": {"name": "fedgroup", "params": {"n_groups": 4, "measure": "edc"}},
     "dcfl": {"name": "dcfl"},
+    # DCFL without its sampled clustering above 500 participants (max_exact_participants)
+    "dcfl-exact": {
+        "name": "dcfl",
+        "label": "dcfl-exact",
+        "params": {"max_exact_participants": None},
+    },
 }
 STEPS = {
     "clustering": {
         "fedcluster.algorithms.dcfl": [
             "dcfl_distance_matrix",
             "dcfl_distance_to",
-            "affinity_propagation",
+            "affinity_propagation_exemplars",
             "dunn_index",
         ],
         "fedcluster.algorithms.fedgroup": [
@@ -178,6 +185,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "seconds_total_by_function": {k: v for k, v in bucket.items() if "/" in k},
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "final_accuracy": rows[-1].get("accuracy"),
+        "final_purity": rows[-1].get("purity"),
     }
 
 
@@ -238,7 +246,8 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['clients']:>6} {r['algorithm']:<9} client {client:7.3f}s  server {server:7.3f}s  "
         f"(clustering {clus:7.3f}s = {share:5.1%} of the round, aggregation {agg:6.3f}s)  "
         f"eval {np.mean(r['per_round']['eval_seconds'] or [0]):6.3f}s  "
-        f"peak RSS {r['peak_rss_mb']:7.0f} MB" + (f"  [{top}]" if top else "")
+        f"peak RSS {r['peak_rss_mb']:7.0f} MB  accuracy {r['final_accuracy']}  "
+        f"purity {r.get('final_purity')}" + (f"  [{top}]" if top else "")
     )
 
 
