@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,22 @@ def test_run_writes_report_and_prints_its_path_last(tmp_path, capsys):
     assert (out / "report.md").is_file()
     _, stdout = _run_cli(tmp_path, "quiet", _BASE, "--no-report", capsys=capsys)
     assert not (tmp_path / "quiet" / "report.html").exists() and "report:" not in stdout
+
+
+def test_a_run_evaluated_every_other_round_reports_without_warnings(tmp_path):
+    """With ``eval_every: 2`` every other round has no accuracy: the plots draw the
+    evaluated rounds and nothing warns (an all-NaN mean warned in the communication
+    plot)."""
+    raw = {**_BASE, "algorithms": [{"name": "fedavg"}], "rounds": 4, "eval_every": 2}
+    out, _ = _run_cli(tmp_path, "sparse", raw, "--no-report")
+    run = load_run(out)
+    rounds, acc = run.column(run.labels[0], "accuracy")
+    assert np.isfinite(acc).any(axis=0).tolist() == [False, True, False, True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        html = write_report([out]).read_text()
+    assert "communication" in _sections(html)
+    _check_pngs(out, html)
 
 
 def test_static_report_has_its_sections_and_no_dp_or_events(static_run):

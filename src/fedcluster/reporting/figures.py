@@ -216,12 +216,12 @@ def communication(items: list[Entry]) -> Figure | None:
         rounds, acc = e.run.column(e.label, "accuracy")
         _, up = e.run.column(e.label, "bytes_up")
         _, down = e.run.column(e.label, "bytes_down")
+        ok = np.isfinite(acc).any(axis=0)  # the evaluated rounds
         with np.errstate(all="ignore"):
             mb = np.nanmean(np.cumsum(np.nan_to_num(up + down), axis=1), 0) / 1e6
-            a = 100 * np.nanmean(acc, 0)
-        ok = np.isfinite(a)
         if ok.any() and mb[-1] > 0:
-            ax.plot(mb[ok], a[ok], color=e.color, label=e.name, lw=1.6, marker=".", ms=3)
+            a = 100 * np.nanmean(acc[:, ok], 0)
+            ax.plot(mb[ok], a, color=e.color, label=e.name, lw=1.6, marker=".", ms=3)
             drawn = True
     if not drawn:
         plt.close(fig)
