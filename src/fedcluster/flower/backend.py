@@ -26,6 +26,7 @@ reports offline are treated the same from then on.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +72,25 @@ class FederationInfo:
         return len(self.train_sizes)
 
 
+NODE_WAIT_SECONDS = 60.0
+"""How long :func:`discover` waits for the first node: Flower's simulation runtime
+registers its nodes on a thread of its own, which can start after the ServerApp's
+(seen on a loaded 2-core machine), and deployed nodes connect when they are up."""
+
+
+def connected_nodes(grid: Grid, wait: float = NODE_WAIT_SECONDS, poll: float = 0.2) -> list[int]:
+    """The ids of the nodes connected to ``grid``, once at least one is (sorted);
+    waits up to ``wait`` seconds for the first one."""
+    deadline = time.monotonic() + wait
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if nodes:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise FlowerClientError(f"no Flower node connected within {wait:g} s")
+        time.sleep(poll)
+
+
 def discover(
     grid: Grid, experiment: str, seed: int, timeout: float | None = None
 ) -> tuple[FederationInfo, dict[int, int]]:
@@ -83,9 +103,7 @@ def discover(
     logged, and ends discovery with one line only when its clients are then
     missing.
     """
-    nodes = sorted(grid.get_node_ids())
-    if not nodes:
-        raise FlowerClientError("no Flower node is connected")
+    nodes = connected_nodes(grid)
     config = {"experiment": experiment, "seed": seed}
     messages = [
         Message(protocol.request({}, config), dst_node_id=n, message_type=protocol.SETUP)
