@@ -360,7 +360,7 @@ class Channel:
 
         The others among the finite ones are rejected (see :class:`UpdateBound`).
         """
-        norms = update_norms(rows, start).numpy()
+        norms = row_distances(rows, start).numpy()
         limit = math.inf if self.bound.max_norm is None else self.bound.max_norm
         ok_norms = norms[finite]
         if self.bound.norm_factor is not None and len(ok_norms) >= MEDIAN_MIN_UPDATES:
@@ -379,7 +379,7 @@ NORM_CHUNK_ROWS = 64
 held at once (at 2,400 clients of 159,010 parameters it would be 1.5 GB)."""
 
 
-def update_norms(rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+def row_distances(rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """‖rows_i − start_i‖₂ of each row [n] (float64), a chunk of rows at a time; rows
     whose float32 squares overflow are measured again in float64."""
     norms = torch.empty(len(rows), dtype=torch.float64)
