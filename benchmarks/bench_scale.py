@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import save_run
+from fedcluster.callbacks import Callback, JobInfo
 from fedcluster.config import resolve_config
 from fedcluster.data.federation import Federation
 from fedcluster.rng import numpy_rng
@@ -141,6 +142,20 @@ def instrument() -> dict[str, float]:
     return bucket
 
 
+class StepSecondsPerRound(Callback):
+    """The timed steps' seconds of each round, from the cumulative ``bucket``."""
+
+    def __init__(self, bucket: dict[str, float], steps: tuple[str, ...]) -> None:
+        self.bucket = bucket
+        self.seen = {step: 0.0 for step in steps}
+        self.per_round: dict[str, list[float]] = {f"{step}_seconds": [] for step in steps}
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        for step, before in self.seen.items():
+            self.per_round[f"{step}_seconds"].append(self.bucket[step] - before)
+            self.seen[step] = self.bucket[step]
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One algorithm on one federation size in this process."""
     torch.set_num_threads(args.threads)
@@ -162,15 +177,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
     config = resolve_config(None, "fedgroup-mnist", [], overrides)  # its model has no options
     bucket = instrument()
+    steps = StepSecondsPerRound(bucket, tuple(STEPS))
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
         t = time.perf_counter()
-        jobs = Experiment(config, federation=fed).run(Path(tmp), progress=False)
+        jobs = Experiment(config, federation=fed, callbacks=[steps]).run(Path(tmp), progress=False)
         wall = time.perf_counter() - t
     rows = jobs[0].rows
     per_round = {
         k: [float(r[k]) for r in rows if k in r]
         for k in ("client_seconds", "server_seconds", "eval_seconds")
-    }
+    } | steps.per_round
     rounds = len(rows)
     return {
         "clients": args.child_size,
@@ -231,6 +247,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return results
 
 
+def clustering_shares(r: dict[str, Any]) -> tuple[float | None, float | None]:
+    """Clustering's share of round 1 (FedGroup's cold start, DCFL's first clustering)
+    and of the later rounds together; ``None`` where the rounds were not recorded."""
+    per = r["per_round"]
+    if "clustering_seconds" not in per or not per["clustering_seconds"]:
+        return None, None
+    clus = np.asarray(per["clustering_seconds"])
+    total = np.asarray(per["client_seconds"]) + np.asarray(per["server_seconds"])
+    first = float(clus[0] / max(total[0], 1e-12))
+    later = float(clus[1:].sum() / max(total[1:].sum(), 1e-12)) if len(clus) > 1 else None
+    return first, later
+
+
 def _line(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['clients']:>6} {r['algorithm']:<9} {r['error']}"
@@ -240,11 +269,16 @@ def _line(r: dict[str, Any]) -> str:
     clus = r["clustering_seconds_total"] / n
     agg = r["aggregation_seconds_total"] / n
     share = clus / max(client + server, 1e-12)
+    first, later = clustering_shares(r)
+    split = "" if first is None else f" (round 1 {first:5.1%}"
+    split += "" if later is None else f", later rounds {later:5.1%})"
+    split += ")" if first is not None and later is None else ""
     parts = sorted(r.get("seconds_total_by_function", {}).items(), key=lambda kv: -kv[1])
     top = ", ".join(f"{k.split('/')[1]} {v / n:.3f}s" for k, v in parts[:3] if v / n >= 0.001)
     return (
         f"{r['clients']:>6} {r['algorithm']:<9} client {client:7.3f}s  server {server:7.3f}s  "
-        f"(clustering {clus:7.3f}s = {share:5.1%} of the round, aggregation {agg:6.3f}s)  "
+        f"(clustering {clus:7.3f}s = {share:5.1%} of the round{split}, "
+        f"aggregation {agg:6.3f}s)  "
         f"eval {np.mean(r['per_round']['eval_seconds'] or [0]):6.3f}s  "
         f"peak RSS {r['peak_rss_mb']:7.0f} MB  accuracy {r['final_accuracy']}  "
         f"purity {r.get('final_purity')}" + (f"  [{top}]" if top else "")

@@ -31,3 +31,27 @@ def test_scale_benchmark_times_functions_that_exist() -> None:
             module = importlib.import_module(module_name)
             missing = [n for n in names if not callable(getattr(module, n, None))]
             assert not missing, f"{module_name} lacks {missing}"
+
+
+def test_scale_benchmark_splits_clustering_by_round(tmp_path: Path) -> None:
+    """bench_scale records each round's clustering seconds (FedGroup's cold start falls
+    in round 1); they add up to the run's total and give the shares it prints."""
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks.bench_scale import clustering_shares
+
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_scale", "--sizes", "200", "--rounds", "3"]
+    cmd += ["--algorithms", "fedgroup", "--threads", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=Path(__file__).parents[1])
+    (result,) = json.loads(out.read_text())["results"]
+    per = result["per_round"]
+    assert len(per["clustering_seconds"]) == len(per["aggregation_seconds"]) == 3
+    assert sum(per["clustering_seconds"]) == pytest.approx(result["clustering_seconds_total"])
+    assert per["clustering_seconds"][0] > 0  # the cold start: SVD directions and k-means++
+    first, later = clustering_shares(result)
+    total = [c + s for c, s in zip(per["client_seconds"], per["server_seconds"], strict=True)]
+    assert first == pytest.approx(per["clustering_seconds"][0] / total[0])
+    assert later == pytest.approx(sum(per["clustering_seconds"][1:]) / sum(total[1:]))
