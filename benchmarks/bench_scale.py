@@ -14,7 +14,9 @@ Per round it reports, from the runner's metrics rows: client time (the
 simulator's clock), server time, evaluation time; and, by wrapping the
 functions the algorithms call, the server's time in clustering (pairwise
 distances, affinity propagation, SVD, k-means, Dunn index) and in aggregation
-(weighted and per-cluster averages). Every (size, algorithm) runs in its own
+(weighted and per-cluster averages), in total and round by round (round 1
+holds FedGroup's one-off cold start; the printed line gives clustering's share
+of round 1 and of the later rounds). Every (size, algorithm) runs in its own
 child process, whose peak resident set size (``resource.getrusage``, which
 includes the federation's data) is reported.
 
