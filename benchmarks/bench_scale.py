@@ -272,9 +272,10 @@ def _line(r: dict[str, Any]) -> str:
     agg = r["aggregation_seconds_total"] / n
     share = clus / max(client + server, 1e-12)
     first, later = clustering_shares(r)
-    split = "" if first is None else f" (round 1 {first:5.1%}"
-    split += "" if later is None else f", later rounds {later:5.1%})"
-    split += ")" if first is not None and later is None else ""
+    split = ""
+    if first is not None:
+        later_part = "" if later is None else f", later rounds {later:5.1%}"
+        split = f" (round 1 {first:5.1%}{later_part})"
     parts = sorted(r.get("seconds_total_by_function", {}).items(), key=lambda kv: -kv[1])
     top = ", ".join(f"{k.split('/')[1]} {v / n:.3f}s" for k, v in parts[:3] if v / n >= 0.001)
     return (
