@@ -150,6 +150,8 @@ class Simulator(ClientClock):
         clients = np.asarray(clients, dtype=np.int64)
         with self.timed():
             fields = computation.run(self, clients, request)
+        # The server keeps its rows on the CPU (engine.device): replies cross back here.
+        fields = {name: value.cpu() for name, value in fields.items()}
         return Returned(fields, np.ones(len(clients), dtype=bool))
 
     def client_data(self, i: int) -> ClientData:
