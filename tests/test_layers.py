@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,3 +18,26 @@ def test_importing_the_config_loads_no_algorithm_and_no_engine():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == ""
+
+
+def test_importing_fedcluster_changes_nothing_in_the_process():
+    # issue 20: no environment variable, no matplotlib backend, no pyplot on import
+    code = (
+        "import os, matplotlib\n"
+        "matplotlib.use('svg')\n"
+        "import fedcluster, fedcluster.reporting, fedcluster.reporting.figures, sys\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), matplotlib.get_backend(),\n"
+        "      'matplotlib.pyplot' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "MPLBACKEND")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.split()
+    assert out == ["None", "svg", "False"]
+
+
+def test_python_m_fedcluster_runs_the_command_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "fedcluster", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.startswith("fedcluster ")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fedcluster import __version__
 from fedcluster.errors import FedclusterError
+from fedcluster.openmp import prefer_passive_wait
 
 if TYPE_CHECKING:
     from fedcluster.config import ExperimentConfig
@@ -301,6 +302,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefer_passive_wait()  # before anything imports torch (fedcluster.openmp)
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
