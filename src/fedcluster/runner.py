@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcluster.algorithms import ALGORITHMS, Context, algorithm_params, check_algorithms
+from fedcluster.algorithms import Context, algorithm_class, algorithm_params, check_algorithms
 from fedcluster.algorithms.base import Algorithm, State, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
@@ -268,7 +268,7 @@ class Job:
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
-        self.algorithm: Algorithm = ALGORITHMS[spec.name](algorithm_params(spec), ctx)
+        self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy)
         self.info.groups = federation.groups
 
