@@ -41,3 +41,19 @@ def test_python_m_fedcluster_runs_the_command_line():
         [sys.executable, "-m", "fedcluster", "--version"], capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout.startswith("fedcluster ")
+
+
+def test_top_level_names_are_lazy_and_complete():
+    code = (
+        "import sys, fedcluster\n"
+        "loaded = 'torch' in sys.modules\n"
+        "names = [n for n in fedcluster.__all__ if n != '__version__']\n"
+        "assert sorted(names) == sorted(fedcluster._EXPORTS), 'update __all__'\n"
+        "missing = [n for n in names if getattr(fedcluster, n, None) is None]\n"
+        "print(loaded, missing, fedcluster.IFCA is sys.modules['fedcluster.algorithms.ifca']"
+        ".IFCAParams)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "[]", "True"]
