@@ -13,7 +13,8 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
   ``JGL``, ``CFLGT``, ``DCFL``, ``FedGroup``, ``FedGrouProx``, ``CFL``, ``FeSEM``, ``FLHC``;
 - the config sections (``ExperimentConfig``, ``TrainConfig``, ``PrivacyConfig``, ...);
 - for a method of your own: ``Algorithm``, ``AlgorithmParams``, ``State``, ``register``,
-  ``ClientComputation``, ``Request``, ``ReplyField``, ``register_computation``
+  ``ClientComputation``, ``ClientContext``, ``Request``, ``ReplyField``,
+  ``register_computation``
   (docs/architecture.md).
 """
 
@@ -57,6 +58,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "State": ("fedcluster.algorithms.base", "State"),
     "register": ("fedcluster.algorithms.base", "register"),
     "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
+    "ClientContext": ("fedcluster.engine.computation", "ClientContext"),
     "Request": ("fedcluster.engine.computation", "Request"),
     "ReplyField": ("fedcluster.engine.computation", "ReplyField"),
     "register_computation": ("fedcluster.engine.computation", "register_computation"),
@@ -96,6 +98,7 @@ __all__ = [
     "State",
     "register",
     "ClientComputation",
+    "ClientContext",
     "Request",
     "ReplyField",
     "register_computation",
@@ -147,6 +150,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from fedcluster.data.federation import Federation
     from fedcluster.engine.computation import (
         ClientComputation,
+        ClientContext,
         ReplyField,
         Request,
         register_computation,

@@ -282,6 +282,7 @@ class Job:
             self.channel.client_transforms.append(faulty)
         self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy)
+        self._keep_traffic = False  # init_state's traffic, kept for the first round
         self.info.groups = federation.groups
 
     def run(
@@ -293,7 +294,8 @@ class Job:
             self._drift(event)
         self.channel.set_masks(*self.scenario.masks(info.first_round))
         if state is None:
-            state = self.algorithm.init_state()
+            state = self.algorithm.init_state()  # its requests count in the first round
+            self._keep_traffic = True
         for callback in callbacks:
             callback.on_job_start(info)
         started = time.perf_counter() - info.wall_offset
@@ -401,7 +403,8 @@ class Job:
         """Set the scenario's masks and apply the round's drift; the scenario's events
         ``(client, kind, detail)``: faulty clients (round 1), joins, departures, drift."""
         scenario = self.scenario
-        self.channel.start_round(*scenario.masks(rnd))
+        self.channel.start_round(*scenario.masks(rnd), keep=self._keep_traffic)
+        self._keep_traffic = False
         events = [(c, "faulty", fault) for c, fault in scenario.faulty()] if rnd == 1 else []
         events += [(int(c), "join", "") for c in scenario.joins(rnd)]
         events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
