@@ -19,10 +19,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-# isort: off
-import fedcluster  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads OpenMP)
-
-# isort: on
 import argparse
 import json
 import os

@@ -61,3 +61,29 @@ def test_the_callback_example_stops_a_job(tmp_path, capsys):
     assert len(result.rows) == 1
     assert "fedavg seed 0 round 1" in capsys.readouterr().out
     assert np.isfinite(result.rows[0]["accuracy"])
+
+
+TUTORIAL = DOC.parent / "tutorial.md"
+
+
+def test_the_tutorial_runs_as_written(tmp_path, monkeypatch):
+    """docs/tutorial.md's code blocks, in order, as one program (2 rounds instead of 20)."""
+    blocks = re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), flags=re.S)
+    program = "".join(blocks)
+    lines = [line for line in program.splitlines() if line.strip()]
+    assert len(lines) <= 80  # the issue's bound for the whole study (blank lines aside)
+    assert program.count("rounds=20") == 1
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "tutorial"}
+    try:
+        exec(compile(program.replace("rounds=20", "rounds=2"), str(TUTORIAL), "exec"), namespace)
+    finally:
+        ALGORITHMS.pop("kmeans-once", None)
+    result = namespace["result"]
+    accuracy = result.final_accuracy()
+    assert sorted(accuracy) == ["fedavg", "fedgroup", "ifca", "kmeans-once"]
+    assert all(0.0 <= a <= 1.0 for a in accuracy.values())
+    assert (tmp_path / "runs/tutorial/report.html").is_file()
+    # the method's clusters after round 1 are k-means' labels of the updates: 3 clusters
+    kmeans = [r for r in result.metrics if r["algorithm"] == "kmeans-once"]
+    assert [r["n_clusters"] for r in kmeans] == [3, 3]

@@ -1,12 +1,159 @@
-"""fedcluster: clustered federated learning -- JGL, CFLGT, DCFL, FedGroup and baselines."""
+"""fedcluster: clustered federated learning -- JGL, CFLGT, DCFL, FedGroup and baselines.
 
-import os as _os
+The names below are imported lazily, on first use: ``import fedcluster`` (and
+``import fedcluster.config``) loads no torch, and importing the package changes
+nothing in the process (no environment variable, no matplotlib backend, no
+thread count; the command-line entry point sets OpenMP's wait policy itself,
+:mod:`fedcluster.openmp`).
 
-# Idle OpenMP threads wait passively (sleep) instead of spinning, so a run does
-# not burn cores that other processes need (issue 14, "graceful under load";
-# see fedcluster.engine.threads). OpenMP reads this once, when PyTorch loads it,
-# so it takes effect when fedcluster is imported before torch; a policy the
-# user set is kept.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+- :func:`run`, :func:`resume`, :class:`RunResult`: the Python API (:mod:`fedcluster.api`);
+- :class:`Federation` (``Federation.from_clients``), :class:`Experiment`, :class:`Callback`;
+- the algorithms' parameter objects, the same pydantic classes that validate the
+  YAML's ``params``: ``FedAvg``, ``FedProx``, ``FedAvgFT``, ``Local``, ``IFCA``,
+  ``JGL``, ``CFLGT``, ``DCFL``, ``FedGroup``, ``FedGrouProx``, ``CFL``, ``FeSEM``, ``FLHC``;
+- the config sections (``ExperimentConfig``, ``TrainConfig``, ``PrivacyConfig``, ...);
+- for a method of your own: ``Algorithm``, ``AlgorithmParams``, ``State``, ``register``,
+  ``ClientComputation``, ``ClientContext``, ``Request``, ``ReplyField``,
+  ``register_computation``
+  (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "run": ("fedcluster.api", "run"),
+    "resume": ("fedcluster.api", "resume"),
+    "RunResult": ("fedcluster.api", "RunResult"),
+    "Experiment": ("fedcluster.runner", "Experiment"),
+    "Federation": ("fedcluster.data.federation", "Federation"),
+    "Callback": ("fedcluster.callbacks", "Callback"),
+    "write_report": ("fedcluster.reporting", "write_report"),
+    "ExperimentConfig": ("fedcluster.config", "ExperimentConfig"),
+    "TrainConfig": ("fedcluster.config", "TrainConfig"),
+    "ParticipationConfig": ("fedcluster.config", "ParticipationConfig"),
+    "PrivacyConfig": ("fedcluster.config", "PrivacyConfig"),
+    "ScenarioConfig": ("fedcluster.config", "ScenarioConfig"),
+    "AggregationConfig": ("fedcluster.config", "AggregationConfig"),
+    "EvaluationConfig": ("fedcluster.config", "EvaluationConfig"),
+    "FedAvg": ("fedcluster.algorithms.fedavg", "FedAvgParams"),
+    "FedProx": ("fedcluster.algorithms.fedavg", "FedProxParams"),
+    "FedAvgFT": ("fedcluster.algorithms.fedavg", "FedAvgFTParams"),
+    "Local": ("fedcluster.algorithms.local", "LocalParams"),
+    "IFCA": ("fedcluster.algorithms.ifca", "IFCAParams"),
+    "JGL": ("fedcluster.algorithms.jgl", "JGLParams"),
+    "CFLGT": ("fedcluster.algorithms.cflgt", "CFLGTParams"),
+    "DCFL": ("fedcluster.algorithms.dcfl", "DCFLParams"),
+    "FedGroup": ("fedcluster.algorithms.fedgroup", "FedGroupParams"),
+    "FedGrouProx": ("fedcluster.algorithms.fedgroup", "FedGrouProxParams"),
+    "CFL": ("fedcluster.algorithms.cfl", "CFLParams"),
+    "FeSEM": ("fedcluster.algorithms.fesem", "FeSEMParams"),
+    "FLHC": ("fedcluster.algorithms.flhc", "FLHCParams"),
+    "Algorithm": ("fedcluster.algorithms.base", "Algorithm"),
+    "AlgorithmParams": ("fedcluster.algorithms.base", "AlgorithmParams"),
+    "State": ("fedcluster.algorithms.base", "State"),
+    "register": ("fedcluster.algorithms.base", "register"),
+    "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
+    "ClientContext": ("fedcluster.engine.computation", "ClientContext"),
+    "Request": ("fedcluster.engine.computation", "Request"),
+    "ReplyField": ("fedcluster.engine.computation", "ReplyField"),
+    "register_computation": ("fedcluster.engine.computation", "register_computation"),
+}
+
+__all__ = [
+    "__version__",
+    "run",
+    "resume",
+    "RunResult",
+    "Experiment",
+    "Federation",
+    "Callback",
+    "write_report",
+    "ExperimentConfig",
+    "TrainConfig",
+    "ParticipationConfig",
+    "PrivacyConfig",
+    "ScenarioConfig",
+    "AggregationConfig",
+    "EvaluationConfig",
+    "FedAvg",
+    "FedProx",
+    "FedAvgFT",
+    "Local",
+    "IFCA",
+    "JGL",
+    "CFLGT",
+    "DCFL",
+    "FedGroup",
+    "FedGrouProx",
+    "CFL",
+    "FeSEM",
+    "FLHC",
+    "Algorithm",
+    "AlgorithmParams",
+    "State",
+    "register",
+    "ClientComputation",
+    "ClientContext",
+    "Request",
+    "ReplyField",
+    "register_computation",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import an exported name on first use (PEP 562), so ``import fedcluster`` stays light."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fedcluster' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    if module == "fedcluster.api" or module.startswith("fedcluster.algorithms."):
+        importlib.import_module("fedcluster.algorithms")  # every built-in registered
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register
+    from fedcluster.algorithms.cfl import CFLParams as CFL
+    from fedcluster.algorithms.cflgt import CFLGTParams as CFLGT
+    from fedcluster.algorithms.dcfl import DCFLParams as DCFL
+    from fedcluster.algorithms.fedavg import FedAvgFTParams as FedAvgFT
+    from fedcluster.algorithms.fedavg import FedAvgParams as FedAvg
+    from fedcluster.algorithms.fedavg import FedProxParams as FedProx
+    from fedcluster.algorithms.fedgroup import FedGroupParams as FedGroup
+    from fedcluster.algorithms.fedgroup import FedGrouProxParams as FedGrouProx
+    from fedcluster.algorithms.fesem import FeSEMParams as FeSEM
+    from fedcluster.algorithms.flhc import FLHCParams as FLHC
+    from fedcluster.algorithms.ifca import IFCAParams as IFCA
+    from fedcluster.algorithms.jgl import JGLParams as JGL
+    from fedcluster.algorithms.local import LocalParams as Local
+    from fedcluster.api import RunResult, resume, run
+    from fedcluster.callbacks import Callback
+    from fedcluster.config import (
+        AggregationConfig,
+        EvaluationConfig,
+        ExperimentConfig,
+        ParticipationConfig,
+        PrivacyConfig,
+        ScenarioConfig,
+        TrainConfig,
+    )
+    from fedcluster.data.federation import Federation
+    from fedcluster.engine.computation import (
+        ClientComputation,
+        ClientContext,
+        ReplyField,
+        Request,
+        register_computation,
+    )
+    from fedcluster.reporting import write_report
+    from fedcluster.runner import Experiment

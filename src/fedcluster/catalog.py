@@ -5,6 +5,8 @@ four systems' papers are in ``shared/papers``), and for an algorithm its
 parameters with defaults and meaning, read from its ``Params`` pydantic model
 (:class:`fedcluster.algorithms.base.AlgorithmParams`) so they cannot drift
 from the code. A test checks that every registered name has a line here.
+Installed plugins (:mod:`fedcluster.plugins`) are listed after the built-in
+entries with their import paths; algorithm plugins with their parameters.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from importlib import resources
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
+
+from fedcluster.errors import ConfigError
+from fedcluster.plugins import Kind, installed
 
 ALGORITHMS = {
     "fedavg": "one global model, sample-weighted averaging (McMahan et al., AISTATS 2017, Alg. 1)",
@@ -115,6 +120,23 @@ def _first_line(cls: type) -> str:
     return doc.splitlines()[0] if doc else "(no description)"
 
 
+def _algorithm_plugin(name: str, path: str) -> tuple[str, str, list[str]]:
+    """An installed algorithm plugin's line: imported (the user asked to list it) for its
+    docstring and parameters."""
+    from fedcluster.algorithms import algorithm_class
+
+    try:
+        cls = algorithm_class(name)
+    except ConfigError as exc:
+        return name, f"(plugin {path}) {exc}", []
+    return name, f"(plugin {path}) {_first_line(cls)}", params_lines(cls.Params)
+
+
+def _plugins(kind: Kind) -> list[tuple[str, str, list[str]]]:
+    """Installed plugins of ``kind`` with their import paths (nothing is imported)."""
+    return [(n, f"(plugin {path})", []) for n, path in sorted(installed(kind).items())]
+
+
 def sections() -> dict[str, list[tuple[str, str, list[str]]]]:
     """Section -> ``(name, description, detail lines)`` for every registered entry."""
     from fedcluster.algorithms import ALGORITHMS as REGISTERED
@@ -131,11 +153,13 @@ def sections() -> dict[str, list[tuple[str, str, list[str]]]]:
         "algorithms": [
             (n, ALGORITHMS.get(n) or _first_line(REGISTERED[n]), params_lines(REGISTERED[n].Params))
             for n in sorted(REGISTERED)
-        ],
-        "datasets": [(n, describe(DATASETS, n), []) for n in list_datasets()],
+        ]
+        + [_algorithm_plugin(n, path) for n, path in sorted(installed("algorithm").items())],
+        "datasets": [(n, describe(DATASETS, n), []) for n in list_datasets()] + _plugins("dataset"),
         "partitions": [
             (n, describe(PARTITIONS, n), []) for n in sorted([*REGISTERED_PARTITIONS, NATURAL])
-        ],
+        ]
+        + _plugins("partition"),
         "models": [(n, describe(MODELS, n), []) for n in sorted(REGISTERED_MODELS)],
         "presets": [(n, preset_description(n), []) for n in list_presets()],
     }

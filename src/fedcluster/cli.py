@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fedcluster import __version__
 from fedcluster.errors import FedclusterError
+from fedcluster.openmp import prefer_passive_wait
 
 if TYPE_CHECKING:
     from fedcluster.config import ExperimentConfig
@@ -58,6 +59,16 @@ def _report_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _algorithms_flag(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument(
+        "--algorithms",
+        required=required,
+        help="comma-separated algorithm names or labels, e.g. jgl,ifca,fedavg (the preset's "
+        "entries keep their parameters), import paths (mypkg.cfl:MyMethod) or installed "
+        "plugins (`fedcluster list algorithms`)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedcluster",
@@ -69,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment and write its run directory")
     _common(run)
     run.add_argument("--seed", type=int, help="random seed")
+    _algorithms_flag(run)
     run.add_argument(
         "--backend",
         choices=("simulator", "flower"),
@@ -80,12 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="run several algorithms on the same federation")
     _common(compare)
-    compare.add_argument(
-        "--algorithms",
-        required=True,
-        help="comma-separated algorithm names or labels, e.g. jgl,ifca,fedavg (the preset's "
-        "entries keep their parameters)",
-    )
+    _algorithms_flag(compare, required=True)
     compare.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
 
     res = sub.add_parser("resume", help="continue a killed run from its checkpoints")
@@ -301,6 +308,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefer_passive_wait()  # before anything imports torch (fedcluster.openmp)
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()

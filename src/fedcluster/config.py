@@ -39,12 +39,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+GIVEN_HELP = (
+    "sha256 of the object passed from Python (fedcluster.run / Experiment); the command line "
+    "cannot rebuild it: resume with fedcluster.resume(run_dir, model=..., federation=...)"
+)
+
+
 class DataConfig(_Strict):
     dataset: str = "mnist5k"
     options: dict[str, Any] = Field(default_factory=dict)
     data_dir: str | None = None
     download: bool = False
     partition: dict[str, Any] = Field(default_factory=lambda: {"name": "iid", "n_clients": 20})
+    federation: str | None = Field(
+        None,
+        description="'package.module:factory' called without arguments, returning a "
+        "Federation (then dataset and partition do not apply)",
+    )
+    given: str | None = Field(None, description=GIVEN_HELP)
 
     @model_validator(mode="after")
     def _partition_named(self) -> DataConfig:
@@ -54,8 +66,9 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: str = "mlp"
+    name: str = Field("mlp", description="a preset model or 'package.module:factory'")
     options: dict[str, Any] = Field(default_factory=dict)
+    given: str | None = Field(None, description=GIVEN_HELP)
 
 
 class TrainConfig(_Strict):

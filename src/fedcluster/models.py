@@ -20,7 +20,6 @@ Python, pass the module itself to :class:`fedcluster.runner.Experiment`.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from fedcluster.errors import ConfigError
+from fedcluster.plugins import import_object, is_import_path
 
 InputShape = tuple[int, ...]
 
@@ -235,12 +235,11 @@ def parameter_count(
 
 def build_model(name: str, input_shape: InputShape, n_classes: int, **options) -> nn.Module:
     """Build a preset model by name, or a user model from ``"package.module:factory"``."""
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
+    if is_import_path(name):
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"model.name: cannot import {name!r}: {exc}") from exc
+            factory = import_object(name, "model")
+        except ConfigError as exc:
+            raise ConfigError(f"model.name: {exc}") from None
     elif name in MODELS:
         factory = MODELS[name]
     else:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcluster.algorithms import ALGORITHMS, Context, algorithm_params, check_algorithms
+from fedcluster.algorithms import Context, algorithm_class, algorithm_params, check_algorithms
 from fedcluster.algorithms.base import Algorithm, State, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
@@ -48,7 +48,9 @@ from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.metrics import accuracy_columns, cluster_columns, honest_accuracy
 from fedcluster.models import build_model, check_rows_fit
+from fedcluster.plugins import import_object
 from fedcluster.privacy import LocalDP, reported_epsilon
+from fedcluster.rebuild import check_resumable, record_given
 from fedcluster.rng import numpy_rng
 from fedcluster.rundir import JobResult, RunDirectory, load_checkpoint, run_directory_callbacks
 from fedcluster.scenario import Scenario
@@ -57,7 +59,17 @@ log = logging.getLogger("fedcluster")
 
 
 def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
-    """Load the dataset and partition it among clients, as the config says, for one seed."""
+    """Load the dataset and partition it among clients, as the config says, for one seed
+    (or call the factory ``data.federation`` names: :mod:`fedcluster.rebuild`)."""
+    if config.data.federation is not None:
+        factory = import_object(config.data.federation, "federation")
+        federation = factory() if callable(factory) else factory
+        if not isinstance(federation, Federation):
+            raise ConfigError(
+                f"data.federation: {config.data.federation!r} gave a "
+                f"{type(federation).__name__}, not a Federation"
+            )
+        return federation
     return build_federation(*load_partitioned(config, seed))
 
 
@@ -131,7 +143,7 @@ class Experiment:
         backend_factory: BackendFactory | None = None,
     ) -> None:
         check_algorithms(config)
-        self.config = config
+        self.config = record_given(config, model, federation)  # config.yaml: how to rebuild
         self._model = model
         self._federation = federation
         self.callbacks = list(callbacks)
@@ -146,7 +158,7 @@ class Experiment:
         """The seed's federation and, when a drift redraws samples, the pool it draws from."""
         if not any(d.kind == "redistribute" for d in self.config.scenario.drift):
             return self.federation(seed), None
-        if self._federation is not None:
+        if self._federation is not None or self.config.data.federation is not None:
             raise ConfigError(
                 "scenario.drift: 'redistribute' redraws samples from the config's dataset; "
                 "it is not available for a federation passed in directly"
@@ -268,8 +280,9 @@ class Job:
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
-        self.algorithm: Algorithm = ALGORITHMS[spec.name](algorithm_params(spec), ctx)
+        self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy)
+        self._keep_traffic = False  # init_state's traffic, kept for the first round
         self.info.groups = federation.groups
 
     def run(
@@ -281,7 +294,8 @@ class Job:
             self._drift(event)
         self.channel.set_masks(*self.scenario.masks(info.first_round))
         if state is None:
-            state = self.algorithm.init_state()
+            state = self.algorithm.init_state()  # its requests count in the first round
+            self._keep_traffic = True
         for callback in callbacks:
             callback.on_job_start(info)
         started = time.perf_counter() - info.wall_offset
@@ -389,7 +403,8 @@ class Job:
         """Set the scenario's masks and apply the round's drift; the scenario's events
         ``(client, kind, detail)``: faulty clients (round 1), joins, departures, drift."""
         scenario = self.scenario
-        self.channel.start_round(*scenario.masks(rnd))
+        self.channel.start_round(*scenario.masks(rnd), keep=self._keep_traffic)
+        self._keep_traffic = False
         events = [(c, "faulty", fault) for c, fault in scenario.faulty()] if rnd == 1 else []
         events += [(int(c), "join", "") for c in scenario.joins(rnd)]
         events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
@@ -409,12 +424,24 @@ class Job:
 def resume(
     out: str | Path,
     progress: bool = True,
-    experiment_factory: Callable[[ExperimentConfig], Experiment] = Experiment,
+    experiment_factory: Callable[[ExperimentConfig], Experiment] | None = None,
     callbacks: Sequence[Callback] = (),
+    model: nn.Module | None = None,
+    federation: Federation | None = None,
 ) -> list[JobResult]:
-    """Continue a killed run from its checkpoints, with its own resolved config."""
+    """Continue a killed run from its checkpoints, with its own resolved config.
+
+    A run started with a model or federation object (``model.given``,
+    ``data.given`` in its config) needs the same objects again as ``model`` and
+    ``federation`` (their hashes are checked); without them it stops with one
+    line before touching the run directory (:mod:`fedcluster.rebuild`).
+    """
     path = Path(out)
     config = validate_config(load_yaml(path / "config.yaml"))
-    experiment = experiment_factory(config)
+    check_resumable(path, config, model, federation)
+    if experiment_factory is not None:
+        experiment = experiment_factory(config)
+    else:
+        experiment = Experiment(config, model=model, federation=federation)
     experiment.callbacks += list(callbacks)
     return experiment.run(path, resume=True, progress=progress)

@@ -1,8 +1,10 @@
 """A new algorithm with its own client computation, defined here only (nothing under src/).
 
-Each client returns the mean of its training labels (a computation written for
-one client, ``run_one_client``); the server splits the clients at the median of
-those means into two clusters and runs FedAvg in each. The same algorithm runs
+Each client returns the mean of its training labels, or the loss of the model
+the server sends (computations written for one client, ``run_one_client``,
+against the public :class:`ClientContext`: its data, the model, the helpers);
+the server splits the clients at the median of those values into two clusters
+and runs FedAvg in each. The same algorithm runs
 in the simulator and on Flower's simulation engine with equal metrics: the
 ClientApp finds the computation by its registered name and imports this module
 on the node.
@@ -14,6 +16,7 @@ import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -24,7 +27,7 @@ from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, regist
 from fedcluster.config import validate_config
 from fedcluster.engine.computation import (
     ClientComputation,
-    ClientData,
+    ClientContext,
     Payload,
     ReplyField,
     Request,
@@ -37,7 +40,7 @@ from tests.helpers import FLOAT_BYTES, INT_BYTES
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def label_mean(client: ClientData, request: Request) -> Payload:
+def label_mean(client: ClientContext, request: Request) -> Payload:
     """What one client computes from its own data: the mean of its training labels."""
     return {"mean": client.y_train.double().mean().float()}
 
@@ -52,6 +55,28 @@ LABEL_MEAN = register_computation(
 )
 
 
+def model_loss(client: ClientContext, request: Request) -> Payload:
+    """A statistic that needs the model: the received model's mean training loss, by the
+    context's evaluation helper and by a forward pass of the model module itself."""
+    row = request.shared["model"]
+    correct, count, loss_sum = client.evaluate(row, split="train")
+    with torch.no_grad():
+        logits = client.module(row)(client.x_train)
+    by_hand = torch.nn.functional.cross_entropy(logits, client.y_train)
+    assert abs(float(by_hand) - loss_sum / count) < 1e-5  # the helper is the module's loss
+    return {"mean": torch.tensor(loss_sum / count, dtype=torch.float32)}
+
+
+MODEL_LOSS = register_computation(
+    ClientComputation(
+        name="test-model-loss",
+        reply={"mean": ReplyField(())},
+        run_one_client=model_loss,
+        exempt_because="a test statistic: no privacy is claimed for it",
+    )
+)
+
+
 @dataclass
 class LabelSplitState(State):
     models: torch.Tensor
@@ -60,6 +85,8 @@ class LabelSplitState(State):
 
 class LabelSplitParams(AlgorithmParams):
     rounds_between_splits: int = Field(100, ge=1)
+    statistic: Literal["label-mean", "model-loss"] = "label-mean"
+    at_init: bool = Field(False, description="ask the statistic in init_state, not round 1")
 
 
 @register
@@ -71,17 +98,28 @@ class LabelSplit(Algorithm):
     StateType = LabelSplitState
 
     def init_state(self) -> LabelSplitState:
-        return LabelSplitState(
+        state = LabelSplitState(
             models=self.ctx.init_row.unsqueeze(0).repeat(2, 1),
             assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
         )
+        if self.params.at_init:  # a broadcast and a one-shot upload before round 1
+            self._split(state, 0)
+        return state
+
+    def _split(self, state: LabelSplitState, rnd: int) -> None:
+        ctx = self.ctx
+        if self.params.statistic == "label-mean":
+            replies = ctx.ask(LABEL_MEAN, ctx.available_clients(), Request(), rnd)
+        else:
+            request = Request(shared={"model": ctx.init_row})
+            replies = ctx.ask(MODEL_LOSS, ctx.available_clients(), request, rnd)
+        means = replies["mean"].numpy()
+        state.assign[replies.clients] = (means > np.median(means)).astype(np.int64)
 
     def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
         ctx = self.ctx
         if (state.assign < 0).all():
-            replies = ctx.ask(LABEL_MEAN, ctx.available_clients(), Request(), rnd)
-            means = replies["mean"].numpy()
-            state.assign[replies.clients] = (means > np.median(means)).astype(np.int64)
+            self._split(state, rnd)
         losses, sizes = [], []
         for c in range(2):
             members = selected[state.assign[selected] == c]
@@ -114,7 +152,10 @@ CONFIG = {
     },
     "model": {"name": "mlp", "options": {"hidden": [16]}},
     "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-    "algorithms": [{"name": "test-label-split"}],
+    "algorithms": [
+        {"name": "test-label-split"},
+        {"name": "test-label-split", "label": "by-loss", "params": {"statistic": "model-loss"}},
+    ],
 }
 
 
@@ -127,15 +168,36 @@ def test_a_new_computation_runs_in_the_simulator(tmp_path):
     config = validate_config(CONFIG)
     Experiment(config).run(tmp_path, progress=False)
     rows = _rows(tmp_path / "metrics.csv")
-    assert [int(r["round"]) for r in rows] == [1, 2, 3]
-    assert float(rows[-1]["accuracy"]) > 0.2
+    assert [int(r["round"]) for r in rows] == [1, 2, 3] * 2
+    assert all(float(r["accuracy"]) > 0.2 for r in rows[2::3])
     clusters = _rows(tmp_path / "clusters.csv")
     assert {r["cluster"] for r in clusters} == {"0", "1"}
     # round 1: every client's label mean (one float up, nothing down), then a model
     # each way and a sample count up per client
     d = sum(p.numel() for p in torch.nn.Linear(784, 16).parameters()) + 16 * 10 + 10
-    assert int(rows[0]["bytes_down"]) == 6 * d * FLOAT_BYTES
-    assert int(rows[0]["bytes_up"]) == 6 * FLOAT_BYTES + 6 * (d * FLOAT_BYTES + INT_BYTES)
+    train_down, train_up = 6 * d * FLOAT_BYTES, 6 * (d * FLOAT_BYTES + INT_BYTES)
+    assert int(rows[0]["bytes_down"]) == train_down
+    assert int(rows[0]["bytes_up"]) == 6 * FLOAT_BYTES + train_up
+    # by-loss: the model is broadcast to each client too (d floats down)
+    assert int(rows[3]["bytes_down"]) == 6 * d * FLOAT_BYTES + train_down
+    assert int(rows[3]["bytes_up"]) == 6 * FLOAT_BYTES + train_up
+
+
+def test_the_traffic_of_init_state_counts_in_round_1(tmp_path):
+    """A broadcast and a one-shot upload in init_state are round 1's bytes, not dropped:
+    the same totals as the same query made in round 1."""
+    algorithms = [
+        {"name": "test-label-split", "label": label, "params": {"statistic": "model-loss", **p}}
+        for label, p in (("in-round", {}), ("at-init", {"at_init": True}))
+    ]
+    config = validate_config({**CONFIG, "rounds": 1, "algorithms": algorithms})
+    Experiment(config).run(tmp_path, progress=False)
+    in_round, at_init = _rows(tmp_path / "metrics.csv")
+    d = sum(p.numel() for p in torch.nn.Linear(784, 16).parameters()) + 16 * 10 + 10
+    broadcast = 6 * d * FLOAT_BYTES  # the init model to each of 6 clients
+    assert int(at_init["bytes_down"]) == broadcast + 6 * d * FLOAT_BYTES  # + the training
+    for column in ("bytes_down", "bytes_up", "accuracy"):
+        assert at_init[column] == in_round[column]
 
 
 def test_a_new_computation_runs_on_flower_with_the_simulators_numbers(tmp_path, monkeypatch):
@@ -151,7 +213,7 @@ def test_a_new_computation_runs_on_flower_with_the_simulators_numbers(tmp_path, 
     Experiment(config).run(tmp_path / "sim", progress=False)
     run_simulation(config, tmp_path / "flower", progress=False)
     sim, flower = _rows(tmp_path / "sim/metrics.csv"), _rows(tmp_path / "flower/metrics.csv")
-    assert len(sim) == len(flower) == 3
+    assert len(sim) == len(flower) == 6
     for a, b in zip(sim, flower, strict=True):
         for column in a:
             if not column.endswith("seconds"):

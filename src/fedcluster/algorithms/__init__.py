@@ -17,6 +17,7 @@ from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
     Context,
+    algorithm_class,
     algorithm_params,
     check_algorithms,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmParams",
     "Context",
+    "algorithm_class",
     "algorithm_params",
     "check_algorithms",
 ]

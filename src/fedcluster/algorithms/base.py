@@ -40,6 +40,7 @@ from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.engine.results import EvalResult
 from fedcluster.engine.robust import Aggregator
 from fedcluster.errors import ConfigError
+from fedcluster.plugins import resolve
 
 if TYPE_CHECKING:
     from fedcluster.privacy import LocalDP
@@ -341,16 +342,28 @@ class Algorithm(ABC):
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
+def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm]:
+    """The algorithm called ``name``: registered, ``package.module:Class``, or an installed
+    plugin (:mod:`fedcluster.plugins`); a :class:`~fedcluster.errors.ConfigError` naming
+    the field ``where`` otherwise."""
+    try:
+        cls = resolve("algorithm", name, ALGORITHMS)
+    except ConfigError as exc:
+        raise ConfigError(f"field '{where}.name': {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(
+            f"field '{where}.name': {name!r} is {cls!r}, not a subclass of "
+            "fedcluster.algorithms.base.Algorithm"
+        )
+    return cls
+
+
 def algorithm_params(spec: AlgorithmSpec, index: int = 0) -> AlgorithmParams:
     """The validated parameters of config entry ``algorithms.<index>``; a
     :class:`~fedcluster.errors.ConfigError` names the unknown algorithm or the bad field."""
-    if spec.name not in ALGORITHMS:
-        allowed = ", ".join(sorted(ALGORITHMS))
-        raise ConfigError(
-            f"field 'algorithms.{index}.name': unknown algorithm {spec.name!r}; allowed: {allowed}"
-        )
+    cls = algorithm_class(spec.name, f"algorithms.{index}")
     try:
-        return ALGORITHMS[spec.name].Params(**spec.params)
+        return cls.Params(**spec.params)
     except ValidationError as exc:
         fields = "; ".join(describe_error(e, f"algorithms.{index}.params") for e in exc.errors())
         raise ConfigError(f"invalid config: {spec.name} {fields}") from None
@@ -363,7 +376,22 @@ def check_algorithms(config: ExperimentConfig) -> None:
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: make an algorithm runnable by name."""
+    """Class decorator: make an algorithm runnable by name.
+
+    Raises:
+        ValueError: another class is registered under the same name (a duplicate
+            name is an error, not an overwrite; the same class imported again is fine).
+    """
+    known = ALGORITHMS.get(cls.name)
+    same = known is not None and (known.__module__, known.__qualname__) == (
+        cls.__module__,
+        cls.__qualname__,
+    )
+    if known is not None and not same:
+        raise ValueError(
+            f"algorithm name {cls.name!r} is taken by {known.__module__}.{known.__qualname__}; "
+            f"give {cls.__module__}.{cls.__qualname__} another name"
+        )
     ALGORITHMS[cls.name] = cls
     return cls
 

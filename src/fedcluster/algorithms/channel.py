@@ -138,14 +138,21 @@ class Channel:
         present: np.ndarray | None = None,
         available: np.ndarray | None = None,
         failing: np.ndarray | None = None,
+        keep: bool = False,
     ) -> None:
-        """Clear the round's bytes, rejections, failures and events; set the round's masks."""
-        self.traffic = Traffic()
-        self.measured = Traffic()
-        self.rejected = []
-        self.failed = []
-        self.events = []
-        self.update_norms = []
+        """Clear the round's bytes, rejections, failures and events; set the round's masks.
+
+        With ``keep`` what was recorded before the round starts counts in it: the
+        requests of an algorithm's ``init_state`` (an initial broadcast, a one-shot
+        upload) are round 1's traffic, not dropped.
+        """
+        if not keep:
+            self.traffic = Traffic()
+            self.measured = Traffic()
+            self.rejected = []
+            self.failed = []
+            self.events = []
+            self.update_norms = []
         self.set_masks(present, available, failing)
 
     def set_masks(

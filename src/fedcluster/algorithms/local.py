@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcluster.algorithms.base import Algorithm, State, register, weighted_loss
+from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
 from fedcluster.engine.client_computations import TRAIN
 from fedcluster.engine.computation import Request
 
@@ -23,11 +23,16 @@ class LocalState(State):
     """Every client's own model [n, d]."""
 
 
+class LocalParams(AlgorithmParams):
+    """Local training has no parameters of its own (its own class names it in Python)."""
+
+
 @register
 class LocalOnly(Algorithm):
     """Local training only (no communication)."""
 
     name = "local"
+    Params = LocalParams
     StateType = LocalState
     per_client_models = True
 

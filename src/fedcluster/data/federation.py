@@ -8,6 +8,7 @@ the training loop never touches Python objects per sample.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -129,12 +130,22 @@ class Federation:
         train: list[tuple[torch.Tensor, torch.Tensor]],
         test: list[tuple[torch.Tensor, torch.Tensor]],
         n_classes: int,
-        groups: np.ndarray | None = None,
+        groups: Sequence[int] | np.ndarray | None = None,
     ) -> Federation:
-        """Pack per-client ``(x, y)`` tensors (e.g. a user's own data) into a federation."""
+        """Pack per-client ``(x, y)`` tensors (e.g. a user's own data) into a federation.
+
+        Args:
+            train: client i's training inputs and integer labels, one pair per client.
+            test: client i's test inputs and labels, in the same client order.
+            n_classes: the number of classes (labels are ``0 .. n_classes - 1``).
+            groups: optional ground truth, the hidden group of each client: the
+                clusters found are then scored against it (purity, ARI, NMI in
+                ``metrics.csv``, the heatmap of the report).
+        """
         x_tr, y_tr, off_tr = _pack(train)
         x_te, y_te, off_te = _pack(test)
-        return cls(x_tr, y_tr, off_tr, x_te, y_te, off_te, n_classes, groups)
+        truth = None if groups is None else np.asarray(groups, dtype=np.int64)
+        return cls(x_tr, y_tr, off_tr, x_te, y_te, off_te, n_classes, truth)
 
 
 def _pack(

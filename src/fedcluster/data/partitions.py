@@ -46,6 +46,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fedcluster.errors import ConfigError, DataError
+from fedcluster.plugins import resolve
 
 __all__ = [
     "PARTITIONS",
@@ -1111,14 +1112,21 @@ def make_partition(
 ) -> Partition:
     """Build the partition ``name`` of ``PARTITIONS`` with keyword ``options``.
 
+    ``name`` may also be ``package.module:function`` or an installed plugin of the
+    ``fedcluster.partitions`` entry-point group (:mod:`fedcluster.plugins`): a function
+    ``(y_train, y_test, rng, *, options...) -> Partition`` like the built-in ones.
+
     ``y_test`` is None when the dataset has no test split (test sets are then
     held out of each client's samples). Unknown names and options raise
     ``ConfigError`` listing what is allowed; the partition functions check the
     option values.
     """
-    if name not in PARTITIONS:
-        raise ConfigError(f"partition: unknown name {name!r}; allowed: {sorted(PARTITIONS)}")
-    func = PARTITIONS[name]
+    try:  # built in, 'package.module:function' or an installed plugin (fedcluster.plugins)
+        func = resolve("partition", name, PARTITIONS)
+    except ConfigError as exc:
+        raise ConfigError(f"data.partition.name: {exc}") from None
+    if not callable(func):
+        raise ConfigError(f"data.partition.name: {name!r} is {func!r}, not a function")
     params = inspect.signature(func).parameters
     allowed = [
         p.name

@@ -37,6 +37,7 @@ from fedcluster.data.integrity import warn_if_modified
 from fedcluster.data.leaf import LEAF_FOLDERS, load_leaf, missing_leaf_files
 from fedcluster.data.synthetic import synthetic_federation
 from fedcluster.errors import ConfigError, DataError
+from fedcluster.plugins import resolve
 
 ENV_DATA = "FEDCLUSTER_DATA"
 
@@ -328,8 +329,25 @@ _SOURCES: dict[str, _Source] = {
 
 
 def list_datasets() -> list[str]:
-    """The names :func:`load_dataset` accepts."""
+    """The built-in names :func:`load_dataset` accepts (plugins aside)."""
     return list(_SOURCES)
+
+
+def _plugin_dataset(
+    name: str, loader: Any, data_dir: str | Path | None, seed: int, options: dict[str, Any]
+) -> Dataset:
+    """A dataset from a plugin (:mod:`fedcluster.plugins`): ``loader(data_dir=..., seed=...,
+    **options)`` returns a :class:`Dataset`."""
+    if not callable(loader):
+        raise ConfigError(f"dataset {name!r} is {loader!r}, not a function returning a Dataset")
+    root = resolve_data_dir(data_dir)
+    try:
+        dataset = loader(data_dir=root, seed=seed, **options)
+    except TypeError as exc:
+        raise ConfigError(f"dataset {name!r}: bad options {options}: {exc}") from None
+    if not isinstance(dataset, Dataset):
+        raise ConfigError(f"dataset {name!r} returned {type(dataset).__name__}, not a Dataset")
+    return dataset
 
 
 def load_dataset(
@@ -345,7 +363,10 @@ def load_dataset(
     Args:
         name: ``mnist``, ``fashion-mnist``, ``emnist-bymerge``, ``emnist-byclass``,
             ``cifar10``, ``digits``, ``mnist5k``, ``synthetic``, ``leaf-femnist`` or
-            ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`).
+            ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`); or a
+            plugin, ``package.module:loader`` or an installed ``fedcluster.datasets``
+            entry point (:mod:`fedcluster.plugins`), called as ``loader(data_dir=root,
+            seed=seed, **options)`` and returning a :class:`Dataset`.
         data_dir: the data root (see :func:`resolve_data_dir`); file-based datasets only.
         download: fetch a file-based dataset's missing files into the data root
             first (see :mod:`fedcluster.data.download`); others ignore it.
@@ -365,9 +386,9 @@ def load_dataset(
         DataError: the dataset is missing (the message says where it looked and how
             to get it) or a file is truncated or corrupted (the message names it).
     """
-    source = _SOURCES.get(name)
-    if source is None:
-        raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(_SOURCES)}")
+    source = resolve("dataset", name, _SOURCES)  # or 'package.module:loader', a plugin
+    if not isinstance(source, _Source):
+        return _plugin_dataset(name, source, data_dir, seed, options)
     if source.missing is None:
         return source.load(name, None, seed, dict(options))
     root = resolve_data_dir(data_dir)

@@ -161,6 +161,9 @@ def _watch_parent(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fedcluster.openmp import prefer_passive_wait
+
+    prefer_passive_wait()  # before the first task imports torch
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runtime-api-address", default="127.0.0.1:9094")
     p.add_argument("--insecure", action="store_true")

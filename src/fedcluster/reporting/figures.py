@@ -1,28 +1,30 @@
-"""The report's figures, drawn with matplotlib's Agg backend (no display needed).
+"""The report's figures, drawn with matplotlib's Agg canvas (no display needed).
 
 Each function takes the report's entries (one per algorithm of each run) and
 returns a :class:`matplotlib.figure.Figure`, or None when the runs hold nothing
 to draw; :func:`png` turns a figure into PNG bytes. Accuracy, purity and ARI
 are the columns of :mod:`fedcluster.metrics` (purity as in JGL Sec. III-A-3);
 a band is the min–max over seeds around their mean.
+
+Figures are :class:`matplotlib.figure.Figure` objects on an Agg canvas, made
+without pyplot: importing this module leaves matplotlib's backend and pyplot's
+figures as they were (a notebook's inline plots keep working).
 """
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")  # before pyplot: never a display, whatever MPLBACKEND says
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from fedcluster.reporting.rundata import RunData  # noqa: E402
+from fedcluster.reporting.rundata import RunData
 
 DPI = 96
 _EVENT_STYLE = {  # kind -> (marker, colour)
@@ -45,9 +47,18 @@ class Entry:
     color: str
 
 
+def _subplots(*args: Any, figsize: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
+    """A figure on its own Agg canvas and its axes (``pyplot.subplots`` without pyplot)."""
+    fig = Figure(
+        figsize=figsize, layout="constrained" if kwargs.pop("constrained_layout", False) else None
+    )
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*args, **kwargs)
+
+
 def entries(runs: list[RunData]) -> list[Entry]:
     """All algorithms of all runs; names carry the run's name when there are several runs."""
-    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    colors = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["Dark2"].colors
     out = []
     for run in runs:
         for label in run.labels:
@@ -57,10 +68,9 @@ def entries(runs: list[RunData]) -> list[Entry]:
 
 
 def png(fig: Figure) -> bytes:
-    """The figure as PNG bytes (the figure is closed)."""
+    """The figure as PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -99,7 +109,7 @@ def _grid(n: int, height: float) -> tuple[Figure, np.ndarray]:
     """A figure with ``n`` panels, at most three a row (unused panels hidden)."""
     ncols = min(3, n)
     nrows = -(-n // ncols)
-    fig, axes = plt.subplots(
+    fig, axes = _subplots(
         nrows, ncols, figsize=(4.2 * ncols, height * nrows), squeeze=False, constrained_layout=True
     )
     for ax in axes.flat[n:]:
@@ -109,7 +119,7 @@ def _grid(n: int, height: float) -> tuple[Figure, np.ndarray]:
 
 def accuracy(items: list[Entry]) -> Figure | None:
     """Pooled test accuracy per round (mean, min–max band over seeds) and client mean ± std."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, (ax1, ax2) = _subplots(1, 2, figsize=(10, 3.6), sharey=True)
     drawn = False
     for e in items:
         drawn |= _band(ax1, e, "accuracy", 100)
@@ -122,7 +132,6 @@ def accuracy(items: list[Entry]) -> Figure | None:
             ax2.plot(rounds[ok], m, color=e.color, label=e.name, lw=1.6)
             ax2.fill_between(rounds[ok], m - s, m + s, color=e.color, alpha=0.15, lw=0)
     if not drawn:
-        plt.close(fig)
         return None
     ax1.set(title="test accuracy, all test samples", xlabel="round", ylabel="accuracy %")
     ax2.set(title="per-client accuracy, mean ± std over clients", xlabel="round")
@@ -137,7 +146,7 @@ def clustering(items: list[Entry]) -> Figure | None:
     items = [e for e in items if np.isfinite(e.run.column(e.label, "n_clusters")[1]).any()]
     if not items:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig, axes = _subplots(1, 3, figsize=(12, 3.4))
     for e in items:
         _band(axes[0], e, "purity")
         _band(axes[1], e, "ari")
@@ -153,7 +162,7 @@ def clustering(items: list[Entry]) -> Figure | None:
 
 
 def _cluster_colors(n: int) -> ListedColormap:
-    base = list(plt.get_cmap("tab10").colors) + list(plt.get_cmap("tab20b").colors)
+    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20b"].colors)
     return ListedColormap(["#ffffff"] + [base[i % len(base)] for i in range(max(n, 1))])
 
 
@@ -210,7 +219,7 @@ def heatmaps(items: list[Entry]) -> Figure | None:
 
 def communication(items: list[Entry]) -> Figure | None:
     """Test accuracy against cumulative megabytes sent up and down (mean over seeds)."""
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = _subplots(figsize=(6, 3.6))
     drawn = False
     for e in items:
         rounds, acc = e.run.column(e.label, "accuracy")
@@ -224,7 +233,6 @@ def communication(items: list[Entry]) -> Figure | None:
             ax.plot(mb[ok], a, color=e.color, label=e.name, lw=1.6, marker=".", ms=3)
             drawn = True
     if not drawn:
-        plt.close(fig)
         return None
     ax.set(
         title="accuracy against communication",
@@ -240,12 +248,11 @@ def communication(items: list[Entry]) -> Figure | None:
 def epsilon(items: list[Entry]) -> Figure | None:
     """ε spent so far (the largest over clients) per round, for runs with local DP."""
     items = [e for e in items if e.run.private]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = _subplots(figsize=(6, 3.4))
     drawn = False
     for e in items:
         drawn |= _band(ax, e, "epsilon")
     if not drawn:
-        plt.close(fig)
         return None
     for run in {id(e.run): e.run for e in items}.values():
         target = (run.config.get("privacy") or {}).get("epsilon")
@@ -264,7 +271,7 @@ def events(runs: list[RunData]) -> Figure | None:
     shown = [r for r in runs if r.events]
     if not shown:
         return None
-    fig, axes = plt.subplots(
+    fig, axes = _subplots(
         1, len(shown), figsize=(6.5 * len(shown), 3.6), squeeze=False, constrained_layout=True
     )
     for ax, run in zip(axes.flat, shown, strict=True):
