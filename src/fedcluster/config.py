@@ -56,6 +56,17 @@ class DataConfig(_Strict):
 class ModelConfig(_Strict):
     name: str = "mlp"
     options: dict[str, Any] = Field(default_factory=dict)
+    buffers: Literal["federated", "local"] = Field(
+        "federated",
+        description="federated: float buffers (BatchNorm statistics) are averaged with the "
+        "parameters; local: FedBN, each client keeps its BatchNorm layers (statistics and "
+        "affine parameters)",
+    )
+    compare: Literal["parameters", "row"] = Field(
+        "parameters",
+        description="what clustering compares: the trainable parameters, or the whole row "
+        "(parameters and float buffers)",
+    )
 
 
 class TrainConfig(_Strict):
@@ -64,6 +75,11 @@ class TrainConfig(_Strict):
     epochs: int = Field(1, ge=1)
     steps: int | None = Field(None, ge=1, description="fixed local steps (overrides epochs)")
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    loss: str = Field(
+        "cross_entropy",
+        description="cross_entropy, or a function (logits, targets) -> mean loss by import "
+        "path 'package.module:function'",
+    )
 
 
 class ParticipationConfig(_Strict):
