@@ -185,6 +185,11 @@ class Simulator(ClientClock):
             seed=self.seed,
         )
 
+    @property
+    def keeps_own_layers(self) -> bool:
+        """Whether clients keep their own BatchNorm layers (FedBN, ``model.buffers: local``)."""
+        return self._local is not None
+
     def personal(self, rows: torch.Tensor, i: int) -> torch.Tensor:
         """The rows ``[..., d]`` as client ``i`` uses them: under FedBN with its own
         BatchNorm layers in place of the received ones (a copy), else ``rows`` itself."""
