@@ -188,10 +188,12 @@ def test_a_user_loss_reaches_training_dp_sgd_and_the_cluster_choice(fed):
     np.testing.assert_allclose(res.loss_sum, _manual_eval(model, models[1], fed, smoothed)[1], 1e-5)
 
 
-def test_a_user_loss_by_import_path_runs_ifca_from_the_config(tmp_path):
+def test_a_user_loss_by_import_path_or_from_python_gives_the_same_run(tmp_path):
     config = digits_config("loss", rounds=1, algorithms=[{"name": "ifca", "params": {}}])
+    Experiment(validate_config(config), loss=smoothed).run(tmp_path / "python", progress=False)
     config["train"] = {"loss": "tests.engine.test_any_module:smoothed"}
-    Experiment(validate_config(config)).run(tmp_path / "run", progress=False)
+    Experiment(validate_config(config)).run(tmp_path / "path", progress=False)
+    assert_same_run(tmp_path / "python", tmp_path / "path")
     bad = {**config, "train": {"loss": "tests.engine.test_any_module:nowhere"}}
     with pytest.raises(ConfigError, match="train.loss: cannot import"):
         Experiment(validate_config(bad)).run(tmp_path / "bad", progress=False)

@@ -130,8 +130,9 @@ class SeededRandomness(TorchFunctionMode):
             return torch.zeros_like(x)
         k = _FEATURE_DIMS.get(func, 0)
         shape = x.shape if k == 0 else x.shape[: x.dim() - k] + (1,) * k
-        keep = torch.rand(shape, generator=self.generator, device=x.device) >= p
-        return x * keep.to(x.dtype) / (1.0 - p)
+        # drawn on the CPU (the derived generators are CPU generators), same masks on any device
+        keep = torch.rand(shape, generator=self.generator) >= p
+        return x * keep.to(device=x.device, dtype=x.dtype) / (1.0 - p)
 
 
 @contextmanager
