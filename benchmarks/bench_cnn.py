@@ -8,6 +8,10 @@ local epoch, plain SGD, then the sample-weighted average -- for
   fc 128, fc 10; :func:`fedcluster.models.cnn` on 1x28x28);
 - ``lenet``: JGL Fig. 3's CIFAR-10 CNN (LeNet-like, :func:`fedcluster.models.lenet`
   on 3x32x32; it is also what ``cnn`` builds for CIFAR-10),
+- ``resnet8``: a CIFAR ResNet-8 with BatchNorm (:func:`fedcluster.models.resnet8`,
+  width 16; its running statistics train and travel in the row),
+- ``lenet-dropout``: LeNet with ``nn.Dropout(0.5)`` after fc 120 and fc 84 (masks
+  from the clients' derived generators; issue 20),
 
 timed interleaved round by round in one process:
 
@@ -29,6 +33,7 @@ measured fp32 ``torch.mm`` peak; the script also checks that (a) and (b) equal
 Run from the repository root::
 
     python -m benchmarks.bench_cnn --rounds 3 --out cnn.json
+    python -m benchmarks.bench_cnn --rounds 3 --models resnet8,lenet-dropout
 """
 
 from __future__ import annotations
@@ -62,12 +67,17 @@ from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 
 N_CLIENTS, TRAIN_SIZE, TEST_SIZE, BATCH, LR, SEED = 16, 200, 20, 32, 0.05, 0
-WORKLOADS = {"jgl-cnn": ("mnist", "cnn"), "lenet": ("cifar10", "lenet")}
+WORKLOADS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "jgl-cnn": ("mnist", "cnn", {}),
+    "lenet": ("cifar10", "lenet", {}),
+    "resnet8": ("cifar10", "resnet8", {}),
+    "lenet-dropout": ("cifar10", "lenet", {"dropout": 0.5}),
+}
 
 
 def build(name: str, data_dir: Path, n_clients: int) -> tuple[Federation, nn.Module]:
     """``n_clients`` x 200 consecutive training images of the dataset, and the model."""
-    dataset, model_name = WORKLOADS[name]
+    dataset, model_name, options = WORKLOADS[name]
     ds = load_dataset(dataset, data_dir)
     assert ds.test is not None
     train = [
@@ -85,7 +95,7 @@ def build(name: str, data_dir: Path, n_clients: int) -> tuple[Federation, nn.Mod
         for c in range(n_clients)
     ]
     fed = Federation.from_clients(train, test, len(ds.classes))
-    return fed, build_model(model_name, fed.input_shape, fed.n_classes)
+    return fed, build_model(model_name, fed.input_shape, fed.n_classes, **options)
 
 
 def layer_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int:
@@ -148,6 +158,7 @@ def run_workload(name: str, args: argparse.Namespace, peak: float) -> dict[str, 
     return {
         "dataset": WORKLOADS[name][0],
         "model": WORKLOADS[name][1],
+        "options": WORKLOADS[name][2],
         "clients": fed.n_clients,
         "seconds_per_round": local,
         "speedup_vs_plain": plain_s / sim_s,
@@ -173,14 +184,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak = matmul_peak()
     results = {name: run_workload(name, args, peak["gflops"]) for name in args.models.split(",")}
     print(
-        f"\n{'workload':<10}{'simulator':>11}{'sim fixed':>11}{'sim 1 thr':>11}{'loop':>9}"
+        f"\n{'workload':<14}{'simulator':>11}{'sim fixed':>11}{'sim 1 thr':>11}{'loop':>9}"
         f"{'speedup':>9}{'roof':>7}"
     )
     for name, r in results.items():
         s = r["seconds_per_round"]
         worst = max(r["max_abs_diff_vs_plain"].values())
         print(
-            f"{name:<10}{s['simulator']['median']:11.3f}{s['simulator_fixed']['median']:11.3f}"
+            f"{name:<14}{s['simulator']['median']:11.3f}{s['simulator_fixed']['median']:11.3f}"
             f"{s['simulator_serial']['median']:11.3f}"
             f"{s['plain_loop']['median']:9.3f}{r['speedup_vs_plain']:8.2f}x"
             f"{r['roofline_fraction']:7.1%}   max|diff| vs loop {worst:.1e}"

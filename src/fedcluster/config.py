@@ -69,6 +69,17 @@ class ModelConfig(_Strict):
     name: str = Field("mlp", description="a preset model or 'package.module:factory'")
     options: dict[str, Any] = Field(default_factory=dict)
     given: str | None = Field(None, description=GIVEN_HELP)
+    buffers: Literal["federated", "local"] = Field(
+        "federated",
+        description="federated: float buffers (BatchNorm statistics) are averaged with the "
+        "parameters; local: FedBN, each client keeps its BatchNorm layers (statistics and "
+        "affine parameters)",
+    )
+    compare: Literal["parameters", "row"] = Field(
+        "parameters",
+        description="what clustering compares: the trainable parameters, or the whole row "
+        "(parameters and float buffers)",
+    )
 
 
 class TrainConfig(_Strict):
@@ -77,6 +88,11 @@ class TrainConfig(_Strict):
     epochs: int = Field(1, ge=1)
     steps: int | None = Field(None, ge=1, description="fixed local steps (overrides epochs)")
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    loss: str = Field(
+        "cross_entropy",
+        description="cross_entropy, or a function (logits, targets) -> mean loss by import "
+        "path 'package.module:function'",
+    )
 
 
 class ParticipationConfig(_Strict):

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -102,21 +102,27 @@ def gaussian_noise(
 
 
 def per_sample_gradients(
-    layout: ParamLayout, row: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+    layout: ParamLayout,
+    row: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy gradient [B, d] of every sample w.r.t. the flat row, and its loss [B].
+    """Gradient [B, d] of ``loss`` (default cross-entropy) of every sample w.r.t. the
+    flat row, and its loss [B].
 
     ``vmap(grad_and_value(...))`` over ``functional_call`` (torch.func), so it works
     for any ``nn.Module`` without per-sample state (no BatchNorm in training
-    mode).
+    mode). Random operations (Dropout) draw a different mask per sample.
     """
     module: nn.Module = layout.module
 
     def loss_one(w: torch.Tensor, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         logits = functional_call(module, layout.unflatten(w), (xi.unsqueeze(0),))
-        return F.cross_entropy(logits, yi.unsqueeze(0))
+        return loss(logits, yi.unsqueeze(0))
 
-    grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(row, x, y)
+    per_sample = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0), randomness="different")
+    grads, losses = per_sample(row, x, y)
     return grads.detach(), losses.detach()
 
 

@@ -6,7 +6,10 @@
 - ``cnn``: JGL Fig. 3 CNN -- for 1-channel 28x28 inputs conv(32, 3x3) ->
   conv(64, 3x3) -> maxpool 2 -> fc 128; for 3x32x32 inputs the LeNet-like
   conv(6, 5x5) -> pool -> conv(16, 5x5) -> pool -> fc 120 -> fc 84.
-- ``lenet``: the LeNet-like CNN on any input size.
+- ``lenet``: the LeNet-like CNN on any input size. ``cnn`` and ``lenet`` take
+  ``dropout`` (default 0: none).
+- ``resnet8``: a CIFAR ResNet-8 with BatchNorm (He et al. 2016, one basic block
+  per stage), ``width`` channels in its first stage (default 16).
 - ``mclr``: multinomial logistic regression (FedGroup Table II, FedProx).
 - ``dnn``: a 2-layer fully connected network (one hidden layer, default 200).
 - ``lstm``: FedProx's / FedGroup's Sent140 classifier (FedGroup Table II):
@@ -60,11 +63,15 @@ def mclr(input_shape: InputShape, n_classes: int) -> nn.Module:
     return mlp(input_shape, n_classes, hidden=[])
 
 
-def lenet(input_shape: InputShape, n_classes: int) -> nn.Module:
-    """JGL Fig. 3 CIFAR-10 CNN (LeNet-like): conv 6@5x5, pool, conv 16@5x5, pool, 120, 84."""
+def lenet(input_shape: InputShape, n_classes: int, dropout: float = 0.0) -> nn.Module:
+    """JGL Fig. 3 CIFAR-10 CNN (LeNet-like): conv 6@5x5, pool, conv 16@5x5, pool, 120, 84.
+
+    ``dropout`` > 0 adds ``nn.Dropout(dropout)`` after fc 120 and fc 84.
+    """
     channels, height, width = _image_shape(input_shape)
     h, w = (height - 4) // 2, (width - 4) // 2
     h, w = (h - 4) // 2, (w - 4) // 2
+    drop = [nn.Dropout(dropout)] if dropout > 0.0 else []
     return nn.Sequential(
         nn.Conv2d(channels, 6, 5),
         nn.ReLU(),
@@ -75,28 +82,76 @@ def lenet(input_shape: InputShape, n_classes: int) -> nn.Module:
         nn.Flatten(),
         nn.Linear(16 * h * w, 120),
         nn.ReLU(),
+        *drop,
         nn.Linear(120, 84),
         nn.ReLU(),
+        *drop,
         nn.Linear(84, n_classes),
     )
 
 
-def cnn(input_shape: InputShape, n_classes: int) -> nn.Module:
-    """JGL Fig. 3 CNN: conv 32@3x3, conv 64@3x3, maxpool 2, fc 128 (LeNet for RGB 32x32)."""
+def cnn(input_shape: InputShape, n_classes: int, dropout: float = 0.0) -> nn.Module:
+    """JGL Fig. 3 CNN: conv 32@3x3, conv 64@3x3, maxpool 2, fc 128 (LeNet for RGB 32x32).
+
+    ``dropout`` > 0 adds ``nn.Dropout(dropout)`` after the pooling and after fc 128
+    (the Keras MNIST CNN's placement; LeNet's own for RGB); 0 leaves the preset as it was.
+    """
     channels, height, width = _image_shape(input_shape)
     if channels == 3:
-        return lenet(input_shape, n_classes)
+        return lenet(input_shape, n_classes, dropout)
     h, w = (height - 4) // 2, (width - 4) // 2
+    drop = [nn.Dropout(dropout)] if dropout > 0.0 else []
     return nn.Sequential(
         nn.Conv2d(channels, 32, 3),
         nn.ReLU(),
         nn.Conv2d(32, 64, 3),
         nn.ReLU(),
         nn.MaxPool2d(2),
+        *drop,
         nn.Flatten(),
         nn.Linear(64 * h * w, 128),
         nn.ReLU(),
+        *drop,
         nn.Linear(128, n_classes),
+    )
+
+
+class BasicBlock(nn.Module):
+    """He et al. 2016's basic residual block: two 3x3 conv-BatchNorm layers and a
+    shortcut (a 1x1 conv-BatchNorm where the shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet8(input_shape: InputShape, n_classes: int, width: int = 16) -> nn.Module:
+    """A ResNet-8 (He et al. 2016's CIFAR ResNet with one block per stage): conv-BN
+    stem of ``width`` channels, three basic blocks of width, 2·width and 4·width
+    channels (strides 1, 2, 2), global average pooling, a linear classifier."""
+    channels, _, _ = _image_shape(input_shape)
+    return nn.Sequential(
+        nn.Conv2d(channels, width, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        BasicBlock(width, width, 1),
+        BasicBlock(width, 2 * width, 2),
+        BasicBlock(2 * width, 4 * width, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * width, n_classes),
     )
 
 
@@ -173,6 +228,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": mlp,
     "cnn": cnn,
     "lenet": lenet,
+    "resnet8": resnet8,
     "mclr": mclr,
     "dnn": dnn,
     "lstm": lstm,

@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.device import resolve_device
+from fedcluster.engine.modes import LossFn, resolve_loss
 from fedcluster.engine.robust import Aggregator
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
@@ -96,6 +97,27 @@ def model_for(config: ExperimentConfig, federation: FederationView) -> nn.Module
     return build_model(m.name, federation.input_shape, federation.n_classes, **m.options)
 
 
+def simulator_for(
+    config: ExperimentConfig,
+    model: nn.Module,
+    federation: Federation,
+    seed: int,
+    loss: LossFn | None = None,
+    **options: Any,
+) -> Simulator:
+    """The simulator of ``federation`` with the config's loss (``loss``, a callable
+    given from Python, replaces ``train.loss``) and its buffers' treatment."""
+    return Simulator(
+        model,
+        federation,
+        seed=seed,
+        group_size=config.group_size,
+        loss=resolve_loss(config.train.loss) if loss is None else loss,
+        local_buffers=config.model.buffers == "local",
+        **options,
+    )
+
+
 def select_clients(
     n_clients: int,
     config: ExperimentConfig,
@@ -128,7 +150,8 @@ class Experiment:
     """A configured experiment: one federation per seed, each algorithm run on it.
 
     Pass ``model`` (any ``nn.Module``) and/or ``federation`` to use your own
-    instead of the config's preset model and dataset, ``callbacks``
+    instead of the config's preset model and dataset, ``loss`` (a
+    :data:`~fedcluster.engine.modes.LossFn`) instead of ``train.loss``, ``callbacks``
     (:class:`~fedcluster.callbacks.Callback`) to follow or stop the rounds, and
     ``backend_factory`` to run the client computations elsewhere than in the
     simulator (the Flower server passes its own, :mod:`fedcluster.flower.server`).
@@ -141,13 +164,19 @@ class Experiment:
         federation: Federation | None = None,
         callbacks: Sequence[Callback] = (),
         backend_factory: BackendFactory | None = None,
+        loss: LossFn | None = None,
     ) -> None:
         check_algorithms(config)
         self.config = record_given(config, model, federation)  # config.yaml: how to rebuild
         self._model = model
         self._federation = federation
         self.callbacks = list(callbacks)
-        self.backend_factory = backend_factory or SimulatorFactory(config)
+        if loss is not None and backend_factory is not None:
+            raise ConfigError(
+                "loss: a loss given from Python runs on the simulator only; "
+                "name it by import path in train.loss for other backends"
+            )
+        self.backend_factory = backend_factory or SimulatorFactory(config, loss)
 
     def federation(self, seed: int) -> FederationView:
         if self._federation is not None:
@@ -233,15 +262,16 @@ class BackendFactory(Protocol):
 class SimulatorFactory:
     """The batched simulator over the config's dataset and partition (the default)."""
 
-    def __init__(self, config: ExperimentConfig) -> None:
+    def __init__(self, config: ExperimentConfig, loss: LossFn | None = None) -> None:
         self.config = config
+        self.loss = loss
 
     def federation(self, seed: int) -> Federation:
         return build_federation_for(self.config, seed)
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend:
         assert isinstance(federation, Federation)
-        return Simulator(model, federation, seed=seed, group_size=self.config.group_size)
+        return simulator_for(self.config, model, federation, seed, loss=self.loss)
 
 
 class Job:
@@ -266,13 +296,14 @@ class Job:
         self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
         ctx = Context.for_backend(
             self.backend,
-            LocalTraining(**cfg.train.model_dump()),
+            LocalTraining(**cfg.train.model_dump(exclude={"loss"})),
             seed,
             start_row,
             self.privacy,
             UpdateBound(**cfg.rejection.model_dump()),
         )
         ctx.model_choice = cfg.evaluation.model_choice
+        ctx.compare = cfg.model.compare
         self.channel = ctx.channel
         ctx.aggregate = Aggregator(
             **cfg.aggregation.model_dump(), round_norms=lambda: self.channel.update_norms

@@ -86,6 +86,22 @@ def test_local_dp_on_flower_draws_the_simulators_noise_on_the_nodes(tmp_path, mo
     assert withheld  # a client out of budget withholds its upload on its node
 
 
+def test_a_batchnorm_resnet_on_flower_gives_the_simulators_metrics(tmp_path):
+    """A ResNet-8 with BatchNorm: its running statistics travel in the row on both
+    backends, the nodes train in train() and evaluate in eval() as the simulator does.
+    To float rounding: the simulator evaluates several clients' samples in one batch."""
+    config = validate_config(
+        {
+            **CONFIG,
+            "rounds": 2,
+            "model": {"name": "resnet8", "options": {"width": 4}},
+            "algorithms": [{"name": "fedavg"}, SMALL_IFCA],
+        }
+    )
+    sim = _same_run_on_both_backends(config, tmp_path, rel=1e-5)
+    assert max(float(r["accuracy"]) for r in sim) > 0.2  # it learns (10 classes)
+
+
 @pytest.mark.parametrize(
     "change,field",
     [
@@ -93,6 +109,7 @@ def test_local_dp_on_flower_draws_the_simulators_noise_on_the_nodes(tmp_path, mo
             {"scenario": {"drift": [{"kind": "redistribute", "rounds": [2]}]}},
             r"scenario\.drift\.0\.kind: 'redistribute'",
         ),
+        ({"model": {"name": "resnet8", "buffers": "local"}}, r"model\.buffers: 'local'"),
     ],
 )
 def test_unsupported_settings_are_refused_before_anything_runs(change, field):

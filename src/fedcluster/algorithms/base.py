@@ -140,6 +140,9 @@ class Context:
     aggregate: Aggregator = field(default_factory=Aggregator)
     """The rule by which every algorithm averages client models (plain mean by default;
     :mod:`fedcluster.engine.robust`), per cluster where there are clusters."""
+    compare: str = "parameters"
+    """What clustering compares (config ``model.compare``): the trainable
+    ``parameters`` of a row, or the whole ``row`` with its float buffers."""
 
     @classmethod
     def for_backend(
@@ -188,7 +191,25 @@ class Context:
 
     @property
     def dim(self) -> int:
+        """The row's width: parameters and float buffers (:mod:`fedcluster.engine.flat`)."""
         return self.channel.backend.layout.dim
+
+    def parameter_part(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``[..., d]`` with their float buffers set to 0 (a copy where there are any):
+        what a gradient, which covers the parameters only, is compared with."""
+        layout = self.channel.backend.layout
+        if layout.param_dim == layout.dim:
+            return rows
+        out = rows.clone()
+        out[..., layout.param_dim :] = 0.0
+        return out
+
+    def compared(self, rows: torch.Tensor) -> torch.Tensor:
+        """The part of rows ``[..., d]`` that clustering and distances compare: the
+        trainable parameters (a view), or the whole row with ``compare: row``."""
+        if self.compare == "row":
+            return rows
+        return self.channel.backend.layout.params(rows)
 
     @property
     def train_sizes(self) -> np.ndarray:

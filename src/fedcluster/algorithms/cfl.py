@@ -183,7 +183,7 @@ class CFL(Algorithm):
         if not len(ex.clients):
             return float("nan")
         selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
-        updates = ex.rows - start
+        updates = ctx.compared(ex.rows - start)
         sizes = ctx.train_sizes[selected]
 
         clusters, models, norms, flags, alphas = [], [], [], [], []
@@ -313,7 +313,8 @@ class CFL(Algorithm):
         ex = ctx.exchange(clients, root, rnd, purpose="newcomer")
         if not len(ex.clients):
             return
-        choice = cosine_to(ex.rows - root, state.models - root).argmax(dim=1).numpy()
+        choice = cosine_to(ctx.compared(ex.rows - root), ctx.compared(state.models - root))
+        choice = choice.argmax(dim=1).numpy()
         for c in np.unique(choice):
             state.clusters[c] = np.union1d(state.clusters[c], ex.clients[choice == c])
 

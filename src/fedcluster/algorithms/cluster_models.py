@@ -249,7 +249,15 @@ class ClusterModelAlgorithm(Algorithm):
         accepted uploads and their clusters.
         """
         fixed = apply_repair(
-            self.params.repair, rnd, old, state.models, state.delta, ex.rows, choice, weights
+            self.params.repair,
+            rnd,
+            old,
+            state.models,
+            state.delta,
+            ex.rows,
+            choice,
+            weights,
+            compared=self.ctx.compared,
         )
         if fixed is None:
             return

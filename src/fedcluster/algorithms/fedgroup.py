@@ -230,7 +230,8 @@ class FedGroup(Algorithm):
         if p.rcc:
             labels = np.arange(len(ex.clients))
         else:
-            labels = group_labels(ex.rows, p.n_groups, p.measure, int(rng.integers(2**31)))
+            seed = int(rng.integers(2**31))
+            labels = group_labels(ctx.compared(ex.rows), p.n_groups, p.measure, seed)
         w0 = ctx.init_row.unsqueeze(0)
         state.models = cluster_average(
             ex.rows + w0, labels, w0.repeat(p.n_groups, 1), aggregate=ctx.aggregate
@@ -248,7 +249,8 @@ class FedGroup(Algorithm):
         ex = self.pretrain(clients)
         groups = np.full(len(clients), -1, dtype=np.int64)
         if len(ex.clients):
-            groups[ex.keep] = cosine_to(ex.rows, state.directions).argmax(dim=1).numpy()
+            similarity = cosine_to(self.ctx.compared(ex.rows), self.ctx.compared(state.directions))
+            groups[ex.keep] = similarity.argmax(dim=1).numpy()
         return groups
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:

@@ -150,7 +150,7 @@ class FeSEM(Algorithm):
         sizes = ctx.train_sizes[selected]
         if m == 0 or (not state.seeded and m < p.n_clusters):
             return weighted_loss(ex.loss, sizes)  # too few accepted models: nothing changes
-        pair = euclidean_distance_matrix(torch.cat([local, state.centres])).numpy()
+        pair = euclidean_distance_matrix(ctx.compared(torch.cat([local, state.centres]))).numpy()
         if state.seeded:
             to_centres = pair[:m, m:]
         else:
@@ -174,6 +174,7 @@ class FeSEM(Algorithm):
                 choice,
                 weights,
                 starts,
+                ctx.compared,
             )
             assert fixed is not None
             state.centres, choice = fixed.models, fixed.choice

@@ -99,7 +99,7 @@ class FLHC(OneShotClustering):
             return labels, loss
         updates = ex.rows - state.global_model
         labels[ex.clients] = hierarchical(
-            features=updates,
+            features=ctx.compared(updates),
             n_clusters=p.n_clusters,
             distance_threshold=p.distance_threshold,
             linkage=p.linkage,
@@ -116,7 +116,7 @@ class FLHC(OneShotClustering):
         labels = np.full(len(clients), -1, dtype=np.int64)
         ex = ctx.exchange(clients, state.global_model, rnd, purpose="newcomer")
         if len(ex.clients):
-            updates = (ex.rows - state.global_model).double()
-            dist = torch.cdist(updates, state.mean_updates.double())
+            updates = ctx.compared(ex.rows - state.global_model).double()
+            dist = torch.cdist(updates, ctx.compared(state.mean_updates).double())
             labels[ex.keep] = dist.argmin(dim=1).numpy()
         return labels

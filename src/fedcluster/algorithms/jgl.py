@@ -313,7 +313,7 @@ class JGL(ClusterModelAlgorithm):
     def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
         p = self.params
         ctx = self.ctx
-        delta = state.delta
+        delta = ctx.parameter_part(state.delta)  # eq. 3 compares gradients: parameters only
         request = Request(
             shared={"models": state.models, "directions": delta},
             settings={"train": ctx.train, "round": rnd, "purpose": "decide"},

@@ -49,6 +49,7 @@ cluster (NaN for the others) and ``repair/splits``, the splits made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,7 @@ def repair_clusters(
     choice: np.ndarray,
     weights: np.ndarray | None,
     starts: torch.Tensor | None = None,
+    compared: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows,
 ) -> RepairResult:
     """Apply the repair rule (module docstring) to one round.
 
@@ -125,7 +127,9 @@ def repair_clusters(
     accepted clients' models and clusters; ``weights`` [m] of the averaging
     (None: uniform); ``starts`` [m, d]: the model each client trained from
     (default ``old[choice]``; FeSEM's E-step may put a client into another
-    cluster than the one it trained from). Inputs are not modified.
+    cluster than the one it trained from). ``compared`` picks the part of an
+    update the cosine similarities compare (:meth:`Context.compared`). Inputs are
+    not modified.
     """
     k_models = len(old)
     m = len(choice)
@@ -139,7 +143,7 @@ def repair_clusters(
         idx = np.flatnonzero(choice == k)
         if not starved or k in starved or len(idx) < 2 * params.min_size:
             continue
-        updates = rows[idx] - (old[k] if starts is None else starts[idx])
+        updates = compared(rows[idx] - (old[k] if starts is None else starts[idx]))
         sim = cosine_similarity_matrix(updates)
         first, _ = bipartition(sim, np.arange(len(idx)))
         in_first = np.isin(np.arange(len(idx)), first)
@@ -169,6 +173,7 @@ def apply_repair(
     choice: np.ndarray,
     weights: np.ndarray | None,
     starts: torch.Tensor | None = None,
+    compared: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows,
 ) -> RepairResult | None:
     """The round's repair for an algorithm's ``repair`` parameter: ``None`` when off; in
     rounds 1..``after`` nothing changes (every separation NaN); else :func:`repair_clusters`."""
@@ -176,7 +181,7 @@ def apply_repair(
         return None
     if rnd <= params.after:
         return RepairResult(new, delta, choice, np.full(len(old), np.nan), [])
-    return repair_clusters(params, old, new, delta, rows, choice, weights, starts)
+    return repair_clusters(params, old, new, delta, rows, choice, weights, starts, compared)
 
 
 def repair_diagnostics(separation: np.ndarray | None, splits: int) -> dict[str, float]:

@@ -51,9 +51,11 @@ from fedcluster.engine.computation import ClientComputation, ClientData, Request
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
+from fedcluster.engine.modes import LossFn, loss_or_default, training
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.threads import usable_workers
-from fedcluster.errors import FedclusterError
+from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.rng import torch_rng
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
 """One client's step: ``(w, batch indices, trainable range) -> (gradient on the range, loss)``."""
@@ -90,9 +92,12 @@ class Simulator(ClientClock):
         use_kernel: bool = True,
         threads: int | None = None,
         client_ids: np.ndarray | None = None,
+        loss: LossFn | None = None,
+        local_buffers: bool = False,
     ) -> None:
         self.device = federation.x_train.device  # set by Federation.to (engine.device)
-        self.model = model.to(self.device)
+        self.model = model.to(self.device).eval()  # train() only inside local training
+        _check_norm_layers(model)
         self.federation = federation
         if client_ids is not None and len(client_ids) != federation.n_clients:
             raise ValueError(
@@ -102,10 +107,22 @@ class Simulator(ClientClock):
             np.arange(federation.n_clients) if client_ids is None else np.asarray(client_ids)
         )
         self.layout = ParamLayout(model)
+        self._trainable = slice(0, self.layout.param_dim)
         self.seed = seed
         self.group_size = None if group_size is None else max(1, int(group_size))
         self.threads = threads
+        self.loss = loss_or_default(loss)
+        # the kernel's gradients are softmax cross-entropy's: another loss runs on autograd
+        use_kernel = use_kernel and loss is None and not self.layout.buffer_slots
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
+        self._local = (
+            torch.cat([torch.arange(s.start, s.stop) for s in self.layout.local_slots()])
+            if local_buffers and self.layout.local_slots()
+            else None
+        )
+        """FedBN: the row positions each client keeps (its BatchNorm layers), else ``None``."""
+        self._own: dict[int, torch.Tensor] = {}
+        """FedBN: client -> its own values at those positions, once it has trained."""
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
         self._revisions = federation.revisions.copy()
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
@@ -168,6 +185,27 @@ class Simulator(ClientClock):
             seed=self.seed,
         )
 
+    @property
+    def keeps_own_layers(self) -> bool:
+        """Whether clients keep their own BatchNorm layers (FedBN, ``model.buffers: local``)."""
+        return self._local is not None
+
+    def personal(self, rows: torch.Tensor, i: int) -> torch.Tensor:
+        """The rows ``[..., d]`` as client ``i`` uses them: under FedBN with its own
+        BatchNorm layers in place of the received ones (a copy), else ``rows`` itself."""
+        own = self._own.get(int(i)) if self._local is not None else None
+        if own is None:
+            return rows
+        rows = rows.clone()
+        rows[..., self._local] = own.to(rows.device)
+        return rows
+
+    def _keep_own(self, clients: np.ndarray, rows: torch.Tensor) -> None:
+        """FedBN: each client keeps the BatchNorm layers of its trained row."""
+        if self._local is not None:
+            for i, c in enumerate(clients):
+                self._own[int(c)] = rows[i, self._local].detach().cpu().clone()
+
     # ------------------------------------------------------------------ train
     def train(
         self,
@@ -185,6 +223,8 @@ class Simulator(ClientClock):
         """
         clients = np.asarray(clients, dtype=np.int64)
         start = broadcast_rows(start, len(clients), self.layout.dim).to(self.device)
+        if self._local is not None:
+            start = torch.stack([self.personal(start[i], c) for i, c in enumerate(clients)])
         with self.timed():
             self._follow_data_changes()
             plans = self.plans(clients, cfg, rnd, purpose)
@@ -192,13 +232,22 @@ class Simulator(ClientClock):
                 raise FedclusterError(
                     f"privacy: record-level DP-SGD runs on the CPU only, not on {self.device}"
                 )
+            gens = partial(self._dropout_generator, clients, rnd, purpose)
             if cfg.dp is not None:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
             elif self.kernel is not None:
                 result = self._train_kernel(plans, clients, start, cfg, classifier_only)
             else:
-                result = self._train_autograd(plans, start, cfg, classifier_only)
+                result = self._train_autograd(plans, start, cfg, classifier_only, gens)
+            self._keep_own(clients, result.rows)
             return TrainResult(result.rows.cpu(), result.loss, result.steps)
+
+    def _dropout_generator(
+        self, clients: np.ndarray, rnd: int, purpose: str, i: int
+    ) -> torch.Generator:
+        """The generator of client ``clients[i]``'s training randomness (Dropout's masks),
+        derived from ``(seed, "dropout/<purpose>", round, client)``."""
+        return torch_rng(self.seed, f"dropout/{purpose}", rnd, int(self.client_ids[clients[i]]))
 
     def _train_autograd(
         self,
@@ -206,13 +255,18 @@ class Simulator(ClientClock):
         start: torch.Tensor,
         cfg: LocalTraining,
         classifier_only: bool,
+        generators: Callable[[int], torch.Generator],
         gradients: Callable[[int], StepGradient] | None = None,
     ) -> TrainResult:
         """Client-by-client SGD with autograd (any model).
 
         ``gradients(i)`` gives client ``i``'s step gradient (DP-SGD's noisy
         clipped one); by default the plain mini-batch gradient. FedProx's term
-        and momentum act on that gradient.
+        and momentum act on that gradient, which covers the trainable
+        parameters only; a training-mode forward pass updates the row's float
+        buffers (BatchNorm's running statistics). The module runs in
+        ``train()`` with its randomness drawn from ``generators(i)``
+        (:mod:`fedcluster.engine.modes`).
 
         Plain SGD with more than one thread runs the per-client loop on worker
         threads, each with its own copy of the module (``functional_call``
@@ -226,7 +280,7 @@ class Simulator(ClientClock):
         out = start.clone()
         losses = torch.full((len(plans),), float("nan"))
         steps = torch.zeros(len(plans), dtype=torch.int64)
-        head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
+        head = self.layout.classifier_range() if classifier_only else self._trainable
 
         def train_one(i: int, layout: ParamLayout) -> None:
             plan = plans[i]
@@ -238,23 +292,23 @@ class Simulator(ClientClock):
             anchor = start[i]
             buf: torch.Tensor | None = None
             total = 0.0
-            for idx in plan:
-                g, loss = step_gradient(w, idx, head)
-                if cfg.mu > 0.0:
-                    g = g + cfg.mu * (w[head] - anchor[head])
-                if cfg.momentum > 0.0:
-                    buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
-                    g = buf
-                w[head] -= cfg.lr * g
-                total += loss
+            with training(layout.module, generators(i)):
+                for idx in plan:
+                    g, loss = step_gradient(w, idx, head)
+                    if cfg.mu > 0.0:
+                        g = g + cfg.mu * (w[head] - anchor[head])
+                    if cfg.momentum > 0.0:
+                        buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
+                        g = buf
+                    w[head] -= cfg.lr * g
+                    total += loss
             out[i] = w
             steps[i] = len(plan)
             if plan:
                 losses[i] = total / len(plan)
 
         threads = self.threads or torch.get_num_threads()
-        buffers = any(True for _ in self.model.buffers())
-        if gradients is not None or threads <= 1 or len(plans) <= 1 or buffers:
+        if gradients is not None or threads <= 1 or len(plans) <= 1:
             for i in range(len(plans)):
                 train_one(i, self.layout)
             return TrainResult(out, losses, steps)
@@ -275,25 +329,30 @@ class Simulator(ClientClock):
     def _plain_gradient(
         self, w: torch.Tensor, idx: torch.Tensor, head: slice, layout: ParamLayout | None = None
     ) -> tuple[torch.Tensor, float]:
-        """Mini-batch cross-entropy gradient at ``w`` (restricted to ``head``) and the loss.
+        """Mini-batch loss gradient at ``w`` (restricted to ``head``) and the loss.
 
         Each parameter of ``head`` is its own autograd leaf (a detached view of
         ``w``), so the backward pass neither forms a zero-filled gradient of the
         whole row per parameter (the backward of slicing a flat leaf) nor
         computes gradients outside ``head``; the values are those of the flat leaf.
+        The float buffers run on a copy that is written back into ``w`` after
+        the pass (a training-mode BatchNorm updates them in place).
         """
         layout = layout or self.layout
         fed = self.federation
         idx = idx.to(self.device)
-        params = {name: view.detach() for name, view in layout.unflatten(w).items()}
+        buffers = w[layout.param_dim :].clone()
+        params = {s.name: w[s.start : s.stop].view(s.shape).detach() for s in layout.slots}
+        tensors = params | layout.unflatten_buffers(buffers)
         leaves = [
             params[s.name].requires_grad_()
             for s in layout.slots
             if s.start >= head.start and s.stop <= head.stop
         ]
-        logits = functional_call(layout.module, params, (fed.x_train[idx],))
-        loss = F.cross_entropy(logits, fed.y_train[idx])
+        logits = functional_call(layout.module, tensors, (fed.x_train[idx],))
+        loss = self.loss(logits, fed.y_train[idx])
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # unused: gradient 0
+        w[layout.param_dim :] = buffers
         flat = [
             torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1)
             for p, g in zip(leaves, grads, strict=True)
@@ -323,6 +382,11 @@ class Simulator(ClientClock):
         assert dp is not None
         if self.kernel is not None and cfg.momentum == 0.0:
             return self._train_dp_kernel(plans, start, cfg, classifier_only, clients, rnd, purpose)
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
+            raise FedclusterError(
+                "privacy: record-level DP-SGD needs per-sample gradients, which BatchNorm's "
+                "batch statistics mix across samples; use GroupNorm or LayerNorm (as Opacus)"
+            )
         fed = self.federation
         sizes = fed.train_sizes
 
@@ -336,7 +400,7 @@ class Simulator(ClientClock):
                 loss = 0.0
                 if len(idx):
                     x, y = fed.x_train[idx], fed.y_train[idx]
-                    grads, sample_loss = per_sample_gradients(self.layout, w, x, y)
+                    grads, sample_loss = per_sample_gradients(self.layout, w, x, y, self.loss)
                     grads = grads[:, head]
                     loss = float(sample_loss.mean())
                 else:
@@ -346,7 +410,8 @@ class Simulator(ClientClock):
 
             return step
 
-        return self._train_autograd(plans, start, cfg, classifier_only, gradients)
+        gens = partial(self._dropout_generator, clients, rnd, purpose)
+        return self._train_autograd(plans, start, cfg, classifier_only, gens, gradients)
 
     def _train_dp_kernel(
         self,
@@ -370,7 +435,7 @@ class Simulator(ClientClock):
         sizes = self.federation.train_sizes
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
-        head = self.layout.classifier_range() if classifier_only else slice(0, self.layout.dim)
+        head = self.layout.classifier_range() if classifier_only else self._trainable
         width = head.stop - head.start
 
         def group_step(members: np.ndarray) -> GroupStep:
@@ -575,8 +640,9 @@ class Simulator(ClientClock):
                         losses[i] = self.kernel.loss_and_dlogits(logits, ys, weight)[0]
                     continue
                 x = self.federation.x_train[idx]
+                own = self.personal(models, clients[i])
                 for j in range(k):
-                    losses[i, j], g = self._loss_and_gradient(models[j], x, y, with_grads)
+                    losses[i, j], g = self._loss_and_gradient(own[j], x, y, with_grads)
                     if grads is not None:
                         grads[i, j] = g
         return losses, grads
@@ -617,8 +683,9 @@ class Simulator(ClientClock):
                     )
                     continue
                 x = self.federation.x_train[idx]
+                own = self.personal(models, clients[i])
                 for j in range(k):
-                    losses[i, j], g = self._loss_and_gradient(models[j], x, y, True)
+                    losses[i, j], g = self._loss_and_gradient(own[j], x, y, True)
                     g = g.double()
                     sq[i, j], dot[i, j] = g.dot(g), g.dot(directions[j].double())
         return losses, sq, dot
@@ -633,11 +700,15 @@ class Simulator(ClientClock):
     def _loss_and_gradient(
         self, row: torch.Tensor, x: torch.Tensor, y: torch.Tensor, with_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mean cross-entropy of the model ``row`` on (x, y) and, if asked, its gradient."""
-        w = row.clone().requires_grad_(with_grad)
-        loss = F.cross_entropy(self.layout.forward(w, x), y)
-        grad = torch.autograd.grad(loss, w)[0] if with_grad else None
-        return loss.detach(), grad
+        """Mean loss of the model ``row`` on (x, y) in evaluation mode and, if asked, its
+        gradient: with respect to the trainable parameters, 0 on the float buffers."""
+        pd = self.layout.param_dim
+        w = row[:pd].clone().requires_grad_(with_grad)
+        loss = self.loss(self.layout.forward(torch.cat([w, row[pd:]]), x), y)
+        if not with_grad:
+            return loss.detach(), None
+        grad = torch.autograd.grad(loss, w)[0]
+        return loss.detach(), torch.cat([grad, torch.zeros_like(row[pd:])])
 
     # --------------------------------------------------------------- evaluate
     @torch.no_grad()
@@ -657,9 +728,16 @@ class Simulator(ClientClock):
         correct = np.zeros(len(clients), dtype=np.int64)
         loss_sum = np.zeros(len(clients), dtype=np.float64)
         count = (off[clients + 1] - off[clients]).astype(np.int64)
+        if self._local is None:  # clients sharing a model are evaluated together
+            models = np.unique(model_of_client)
+            units = [(rows[m], np.flatnonzero(model_of_client == m)) for m in models]
+        else:  # FedBN: each client with its own BatchNorm layers
+            units = [
+                (self.personal(rows[m], c), np.array([i]))
+                for i, (c, m) in enumerate(zip(clients, model_of_client, strict=True))
+            ]
         with self.timed():
-            for m in np.unique(model_of_client):
-                members = np.flatnonzero(model_of_client == m)
+            for row, members in units:
                 idx = torch.cat(
                     [torch.arange(off[clients[i]], off[clients[i] + 1]) for i in members]
                 ).to(self.device)
@@ -668,14 +746,41 @@ class Simulator(ClientClock):
                 owner = np.repeat(members, count[members])
                 for s in range(0, len(idx), 8192):
                     part = idx[s : s + 8192]
-                    logits = self.layout.forward(rows[m].to(self.device), x_all[part])
+                    logits = self.layout.forward(row.to(self.device), x_all[part])
                     y = y_all[part]
                     own = owner[s : s + 8192]
                     hit = (logits.argmax(dim=1) == y).cpu().numpy()
-                    nll = F.cross_entropy(logits, y, reduction="none").double().cpu().numpy()
                     np.add.at(correct, own, hit.astype(np.int64))
-                    np.add.at(loss_sum, own, nll)
+                    np.add.at(loss_sum, own, self._sample_losses(logits, y, own))
         return EvalResult(correct, count, loss_sum)
+
+    def _sample_losses(
+        self, logits: torch.Tensor, y: torch.Tensor, owner: np.ndarray
+    ) -> np.ndarray:
+        """Per-sample losses (float64) whose sum per ``owner`` is each owner's summed loss:
+        cross-entropy's own per-sample values; for another loss, each owner's mean
+        loss times its count, on the owner's first sample (the others 0)."""
+        if self.loss is F.cross_entropy:
+            return F.cross_entropy(logits, y, reduction="none").double().cpu().numpy()
+        out = np.zeros(len(y), dtype=np.float64)
+        for o in np.unique(owner):
+            at = np.flatnonzero(owner == o)
+            sel = torch.as_tensor(at, device=logits.device)
+            out[at[0]] = float(self.loss(logits[sel], y[sel])) * len(at)
+        return out
+
+
+def _check_norm_layers(model: nn.Module) -> None:
+    """BatchNorm with ``momentum=None`` averages with ``num_batches_tracked``, an
+    integer buffer that does not travel in the row (:mod:`fedcluster.engine.flat`)."""
+    for name, m in model.named_modules():
+        norm = isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        if norm and m.momentum is None:
+            raise ConfigError(
+                f"model: {name or 'the model'} is a BatchNorm with momentum=None, whose "
+                "cumulative average needs num_batches_tracked, which is not federated; "
+                "give it a momentum (PyTorch's default is 0.1)"
+            )
 
 
 def _nonzero_span(x: torch.Tensor) -> slice:

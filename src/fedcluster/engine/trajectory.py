@@ -74,7 +74,8 @@ def gradient_trajectories(
 
     ``[..., 0]`` is the averaged pulling force Z1'_c, ``[..., 1]`` the averaged
     pushing force Z2'_c, computed on the client's whole training set with a
-    forward pass only; divided by the client's sample count if ``normalise``.
+    forward pass only (the module in ``eval()``; under FedBN each client with its
+    own BatchNorm layers); divided by the client's sample count if ``normalise``.
     Accumulated in float64, returned as float32 (what is uploaded).
     """
     clients = np.asarray(clients, dtype=np.int64)
@@ -82,20 +83,26 @@ def gradient_trajectories(
     head = classifier_layer(sim)
     n_classes = head.out_features
     out = torch.zeros(len(clients), n_classes, 2, dtype=torch.float64)
-    rows, owner = _sample_rows(fed.train_offsets, clients)
+    if sim.keeps_own_layers:  # FedBN: each client with its own BatchNorm layers
+        units = [(sim.personal(row, c), [i]) for i, c in enumerate(clients)]
+    else:
+        units = [(row, list(range(len(clients))))]
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
     try:
         with sim.timed():
-            for s in range(0, len(rows), chunk_size):
-                part = rows[s : s + chunk_size]
-                captured.clear()
-                prob = sim.layout.forward(row, fed.x_train[part]).double().softmax(dim=1)
-                feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
-                own = nn.functional.one_hot(fed.y_train[part], n_classes).to(torch.float64)
-                pull = own * (1.0 - prob) * feature_mean
-                push = (1.0 - own) * prob * feature_mean
-                out.index_add_(0, owner[s : s + chunk_size], torch.stack([pull, push], dim=2))
+            for model, members in units:
+                rows, owner = _sample_rows(fed.train_offsets, clients[members])
+                owner = torch.as_tensor(members)[owner]
+                for s in range(0, len(rows), chunk_size):
+                    part = rows[s : s + chunk_size]
+                    captured.clear()
+                    prob = sim.layout.forward(model, fed.x_train[part]).double().softmax(dim=1)
+                    feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
+                    own = nn.functional.one_hot(fed.y_train[part], n_classes).to(torch.float64)
+                    pull = own * (1.0 - prob) * feature_mean
+                    push = (1.0 - own) * prob * feature_mean
+                    out.index_add_(0, owner[s : s + chunk_size], torch.stack([pull, push], dim=2))
     finally:
         hook.remove()
     if normalise:

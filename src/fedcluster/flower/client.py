@@ -38,7 +38,7 @@ from fedcluster.data.drift import DriftEvent, DriftReplay
 from fedcluster.engine.computation import lookup_computation
 from fedcluster.engine.simulator import Simulator
 from fedcluster.flower import protocol
-from fedcluster.runner import build_federation_for, model_for
+from fedcluster.runner import build_federation_for, model_for, simulator_for
 
 client_app = ClientApp()
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def _client(experiment: str, seed: int, client: int) -> Simulator:
     own = federation.subset([client])
     # one thread per node: the nodes of a simulation share the machine
     model = model_for(config, own)
-    return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
+    return simulator_for(config, model, own, seed, threads=1, client_ids=np.array([client]))
 
 
 _DRIFT: weakref.WeakKeyDictionary[Simulator, DriftReplay] = weakref.WeakKeyDictionary()

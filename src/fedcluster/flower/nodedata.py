@@ -262,14 +262,14 @@ def node_simulator(path: str, experiment: str, seed: int, client: int) -> Simula
     import yaml
 
     from fedcluster.config import validate_config
-    from fedcluster.engine.simulator import Simulator
-    from fedcluster.runner import model_for
+    from fedcluster.runner import model_for, simulator_for
 
     check_seed(path, seed)
     own = load_node_client(path, client)
-    model = model_for(validate_config(yaml.safe_load(experiment)), own)
+    config = validate_config(yaml.safe_load(experiment))
+    model = model_for(config, own)
     # one thread per node: several nodes may share a machine
-    return Simulator(model, own, seed=seed, threads=1, client_ids=np.array([client]))
+    return simulator_for(config, model, own, seed, threads=1, client_ids=np.array([client]))
 
 
 def check_seed(path: str | Path, seed: int) -> NodeManifest:

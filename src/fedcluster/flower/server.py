@@ -47,6 +47,11 @@ def check_supported(config: ExperimentConfig) -> None:
                 "the whole dataset, which no node holds; it is not available on the Flower "
                 "backend (rotate and swap_labels are)"
             )
+    if config.model.buffers == "local":
+        raise ConfigError(
+            "model.buffers: 'local' (FedBN) keeps state on each client between rounds, "
+            "which a Flower node does not keep; it runs on the simulator backend"
+        )
 
 
 class FlowerBackends:

@@ -1,0 +1,141 @@
+"""Module modes, seeded training randomness and the loss of client computations.
+
+PyTorch's module convention: a training step runs the module in ``train()``
+(Dropout active, BatchNorm normalising with the batch's statistics and
+updating its running ones), every other computation in ``eval()`` (test
+accuracy, the loss queries of IFCA's and JGL's cluster choice, FeSEM's and
+CFLGT's forward passes). The simulator keeps its template module in ``eval()``
+and switches to ``train()`` only inside :func:`module_mode` around a
+client's local training.
+
+Randomness inside a training step (Dropout's masks, any ``torch.rand``-like
+call of a user's ``forward``) draws from a generator derived from
+``(seed, "dropout/<purpose>", round, client)`` (DESIGN principle 4) through
+:class:`SeededRandomness`, a ``TorchFunctionMode`` that is thread-local: every
+worker thread of the simulator and every Flower node draws the same masks for
+the same client, whatever the order in which clients run. Inside
+``vmap`` (DP-SGD's per-sample gradients) each sample draws its own mask.
+``alpha_dropout`` and ``feature_alpha_dropout`` are refused (no seeded form).
+
+The loss of every computation is a :data:`LossFn` ``(logits, targets) ->
+mean loss`` (default cross-entropy, ``F.cross_entropy``); ``train.loss``
+names another by import path (``"package.module:function"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.plugins import import_object
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(logits [B, C], targets [B]) -> mean loss`` (a scalar), like ``F.cross_entropy``."""
+
+DEFAULT_LOSS = "cross_entropy"
+
+
+def resolve_loss(name: str) -> LossFn | None:
+    """The loss named ``name``: ``None`` for the default cross-entropy (the MLP
+    kernel's own), else the callable at import path ``"package.module:function"``."""
+    if name == DEFAULT_LOSS:
+        return None
+    loss = import_object(name, "loss")
+    if not callable(loss):
+        raise ConfigError(f"train.loss: {name!r} is {type(loss).__name__}, not a function")
+    return loss
+
+
+def loss_or_default(loss: LossFn | None) -> LossFn:
+    """``loss``, or cross-entropy where it is ``None``."""
+    return F.cross_entropy if loss is None else loss
+
+
+@contextmanager
+def module_mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """Run with every submodule in training (or evaluation) mode; restore each one's mode."""
+    before = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield module
+    finally:
+        for m, mode in before:
+            m.training = mode
+
+
+_FEATURE_DIMS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
+_WITH_GENERATOR = {
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+}
+_LIKE = {torch.rand_like: torch.rand, torch.randn_like: torch.randn}
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+    return kwargs[name] if name in kwargs else args[i] if len(args) > i else default
+
+
+class SeededRandomness(TorchFunctionMode):
+    """Draw the random numbers of a module's ``forward`` from ``generator``.
+
+    Dropout (``F.dropout`` and ``F.dropout1d/2d/3d``) is computed with a mask
+    from ``generator``; random factories and in-place samplers that accept a
+    generator get it. The mode is thread-local (a ``TorchFunctionMode``).
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.dropout or func in _FEATURE_DIMS:
+            return self._dropout(func, args, kwargs)
+        if func in (F.alpha_dropout, F.feature_alpha_dropout):
+            raise FedclusterError(
+                f"model: {func.__name__} has no seeded form in fedcluster; use nn.Dropout"
+            )
+        if func in _WITH_GENERATOR and kwargs.get("generator") is None:
+            kwargs = {**kwargs, "generator": self.generator}
+        elif func in _LIKE:
+            x = args[0]
+            kwargs = {"dtype": x.dtype, "device": x.device, **kwargs}
+            return _LIKE[func](x.shape, generator=self.generator, **kwargs)
+        return func(*args, **kwargs)
+
+    def _dropout(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+        x = args[0]
+        p = float(_arg(args, kwargs, 1, "p", 0.5))
+        if not _arg(args, kwargs, 2, "training", True) or p == 0.0:
+            return x
+        if p == 1.0:
+            return torch.zeros_like(x)
+        k = _FEATURE_DIMS.get(func, 0)
+        shape = x.shape if k == 0 else x.shape[: x.dim() - k] + (1,) * k
+        # drawn on the CPU (the derived generators are CPU generators), same masks on any device
+        keep = torch.rand(shape, generator=self.generator) >= p
+        return x * keep.to(device=x.device, dtype=x.dtype) / (1.0 - p)
+
+
+@contextmanager
+def training(module: nn.Module, generator: torch.Generator) -> Iterator[nn.Module]:
+    """``module`` in training mode with its randomness drawn from ``generator``."""
+    with module_mode(module, True), SeededRandomness(generator):
+        yield module
