@@ -89,7 +89,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
     code = (
         "import sys, time\n"
         "from fedcluster.rundir import RunDirectory\n"
-        f"with RunDirectory({str(out)!r}).lock():\n"
+        f"with RunDirectory({str(out)!r}).claim():\n"
         "    print('locked', flush=True)\n"
         "    time.sleep(30)\n"
     )

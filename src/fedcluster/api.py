@@ -295,10 +295,20 @@ def resume(
     callbacks: Sequence[Callback] = (),
     report: bool = True,
     progress: bool = False,
+    trust: bool = False,
 ) -> RunResult:
     """Continue a killed run; pass the model and federation objects it was started with
-    (their hashes are checked against ``config.yaml``) when it was started with objects."""
-    _resume(run_dir, progress=progress, callbacks=callbacks, model=model, federation=federation)
+    (their hashes are checked against ``config.yaml``) when it was started with objects.
+    ``trust`` imports the code its config names even where no checkpoint vouches for it
+    (:func:`fedcluster.rundir.check_resumable`)."""
+    _resume(
+        run_dir,
+        progress=progress,
+        callbacks=callbacks,
+        model=model,
+        federation=federation,
+        trust=trust,
+    )
     return RunResult.load(run_dir, _write_report(Path(run_dir)) if report else None)
 
 

@@ -4,15 +4,18 @@ flower``."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
-import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedcluster import __version__
 from fedcluster.errors import FedclusterError
+from fedcluster.limits import check_path
 from fedcluster.openmp import prefer_passive_wait
 
 if TYPE_CHECKING:
@@ -98,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     res = sub.add_parser("resume", help="continue a killed run from its checkpoints")
     res.add_argument("dir", help="run directory")
     res.add_argument("--quiet", action="store_true")
+    res.add_argument(
+        "--trust",
+        action="store_true",
+        help="import the code the run's config.yaml names (model.name 'pkg.module:factory') "
+        "even when no checkpoint shows the run started with it",
+    )
     _report_flags(res)
 
     rep = sub.add_parser("report", help="write report.html and report.md of one or more runs")
@@ -170,7 +179,12 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def _algorithm_names(args: argparse.Namespace) -> list[str] | None:
     text = getattr(args, "algorithms", None)
-    return [n.strip() for n in text.split(",") if n.strip()] if text else None
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise FedclusterError(f"--algorithms {text!r}: give at least one algorithm name")
+    return names
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -188,33 +202,49 @@ def _run(args: argparse.Namespace) -> int:
     )
     slug = run_slug(args.sets, getattr(args, "algorithms", None), args.sweeps)
     name = f"{config.name}-{slug}" if slug else config.name
-    out = Path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
+    out = check_path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}", "--out")
     if out.exists() and not out.is_dir():
         raise FedclusterError(f"--out {out} is an existing file, not a directory")
-    if out.exists() and any(out.iterdir()):
-        raise FedclusterError(f"run directory {out} is not empty; choose another --out")
     print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
     callbacks = _callbacks(args)
-    fresh = not out.exists()
-    try:
+    # a run that fails before its first checkpoint removes the directory it created
+    # (RunDirectory.claim), so the same command can run again
+    with _disk_full_is_resumable(out):
         if getattr(args, "backend", "simulator") == "flower":
             if callbacks:
                 raise FedclusterError("--tensorboard works with the simulator backend only")
             _run_flower(config, out, progress=not args.quiet)
         else:
             Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
-    except FedclusterError:
-        _remove_if_unstarted(out, fresh)
-        raise
     _print_summary(out)
     _report(args, out)
     return 0
+
+
+@contextmanager
+def _disk_full_is_resumable(out: Path) -> Iterator[None]:
+    """A full disk (``ENOSPC``) ends the run with one line: the directory keeps its last
+    complete checkpoints (files are replaced atomically), so it can be resumed."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        raise FedclusterError(
+            f"no space left on the device{where}; free some space, then "
+            f"`fedcluster resume {out}` (or run again if it had no checkpoint yet)"
+        ) from None
 
 
 def _callbacks(args: argparse.Namespace) -> list:
     if not args.tensorboard:
         return []
     from fedcluster.loggers import TensorBoardLogger
+
+    where = check_path(args.tensorboard, "--tensorboard")
+    if where.exists() and not where.is_dir():
+        raise FedclusterError(f"--tensorboard {where} is an existing file, not a directory")
 
     return [TensorBoardLogger(args.tensorboard)]
 
@@ -226,17 +256,6 @@ def _report(args: argparse.Namespace, out: Path) -> None:
     from fedcluster.reporting import write_report
 
     print(f"report: {write_report([out])}")
-
-
-def _remove_if_unstarted(out: Path, fresh: bool) -> None:
-    """Remove a run directory this command created when it failed before any checkpoint.
-
-    Such a directory holds only the config and empty tables; leaving it would
-    make the same command fail next time with "not empty". A directory with a
-    checkpoint is a run that can be resumed and stays.
-    """
-    if fresh and out.is_dir() and not any((out / "checkpoints").glob("*")):
-        shutil.rmtree(out)
 
 
 def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:
@@ -256,7 +275,8 @@ def _resume(args: argparse.Namespace) -> int:
     if not (Path(args.dir) / "config.yaml").exists():
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
     callbacks = _callbacks(args)
-    resume(args.dir, progress=not args.quiet, callbacks=callbacks)
+    with _disk_full_is_resumable(Path(args.dir)):
+        resume(args.dir, progress=not args.quiet, callbacks=callbacks, trust=args.trust)
     _print_summary(Path(args.dir))
     _report(args, Path(args.dir))
     return 0
@@ -338,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FedclusterError as exc:
         print(f"fedcluster: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an unwritable --out, a read-only or /proc path, a name too long
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"fedcluster: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
 
 

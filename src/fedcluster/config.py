@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedcluster import limits, safeyaml
 from fedcluster.errors import ConfigError
 from fedcluster.overrides import apply_sweeps, expand_algorithm_key, select_algorithms
 
@@ -37,6 +38,14 @@ class _Strict(BaseModel):
     # Numbers are finite: ``.inf`` / ``.nan`` are errors naming the field (e.g. ε = inf is
     # not "no privacy": that is ``privacy.mode: none``, docs/privacy.md).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_coercion(cls, data: Any) -> Any:
+        # pydantic's lax mode reads `rounds: true` as 1 and a label '7' as 7: refused here
+        if isinstance(data, dict):
+            limits.check_scalar_types(cls, data)
+        return data
 
 
 GIVEN_HELP = (
@@ -57,6 +66,11 @@ class DataConfig(_Strict):
         "Federation (then dataset and partition do not apply)",
     )
     given: str | None = Field(None, description=GIVEN_HELP)
+    bad_clients: Literal["exclude", "refuse"] = Field(
+        "exclude",
+        description="a client whose data is non-finite, out of range or empty: left out "
+        "(named in a warning) or the run refused (fedcluster.data.screen)",
+    )
 
     @model_validator(mode="after")
     def _partition_named(self) -> DataConfig:
@@ -83,10 +97,12 @@ class ModelConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    lr: float = Field(0.05, gt=0.0)
-    batch_size: int = Field(32, ge=1)
-    epochs: int = Field(1, ge=1)
-    steps: int | None = Field(None, ge=1, description="fixed local steps (overrides epochs)")
+    lr: float = Field(0.05, gt=0.0, le=limits.MAX_LR)
+    batch_size: int = Field(32, ge=1, le=limits.MAX_COUNT)
+    epochs: int = Field(1, ge=1, le=limits.MAX_COUNT)
+    steps: int | None = Field(
+        None, ge=1, le=limits.MAX_COUNT, description="fixed local steps (overrides epochs)"
+    )
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     loss: str = Field(
         "cross_entropy",
@@ -117,9 +133,16 @@ class PrivacyConfig(_Strict):
     """
 
     mode: Literal["none", "client", "record"] = "none"
-    epsilon: float = Field(10.0, gt=0.0, description="target ε per client (DCFL: 10)")
-    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="target δ (DCFL: 1e-5)")
-    clip: float = Field(1.0, gt=0.0, description="L2 clipping norm C (update or per-sample grad)")
+    epsilon: float = Field(
+        10.0, gt=0.0, le=limits.MAX_EPSILON, description="target ε per client (DCFL: 10)"
+    )
+    delta: float = Field(1e-5, ge=1e-30, lt=1.0, description="target δ (DCFL: 1e-5)")
+    clip: float = Field(
+        1.0,
+        ge=limits.MIN_SCALE,
+        le=limits.MAX_SCALE,
+        description="L2 clipping norm C (update or per-sample grad)",
+    )
     max_participations: Annotated[int, Field(ge=1)] | Literal["rounds", "expected"] = Field(
         "rounds",
         description="uploads a client may make: a number, 'rounds' (every round, the worst "
@@ -313,7 +336,9 @@ class AlgorithmSpec(_Strict):
 
 class ExperimentConfig(_Strict):
     name: str = "experiment"
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    seeds: list[Annotated[int, Field(ge=0, le=limits.MAX_SEED)]] = Field(
+        default_factory=lambda: [0], min_length=1
+    )
     rounds: int = Field(20, ge=1, le=MAX_ROUNDS, description="communication rounds")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -327,15 +352,16 @@ class ExperimentConfig(_Strict):
     algorithms: list[AlgorithmSpec] = Field(
         default_factory=lambda: [AlgorithmSpec(name="fedavg")], min_length=1
     )
-    eval_every: int = Field(1, ge=1)
+    eval_every: int = Field(1, ge=1, le=MAX_ROUNDS)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu", description="where the simulator computes (auto: cuda when a GPU is visible)"
     )
-    checkpoint_every: int = Field(5, ge=1)
+    checkpoint_every: int = Field(5, ge=1, le=MAX_ROUNDS)
     group_size: int | None = Field(
         None,
         ge=1,
+        le=limits.MAX_COUNT,
         description="clients trained together by the MLP kernel (default: equal groups of at "
         "most 8 that keep every worker thread busy)",
     )
@@ -351,6 +377,8 @@ class ExperimentConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"algorithms: duplicate entries {dupes}; give each a distinct label")
+        limits.check_names(self)
+        limits.check_rounds(self)
         return self
 
 
@@ -359,9 +387,15 @@ def describe_error(err: dict, prefix: str = "") -> str:
     loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     if err["type"] == "extra_forbidden":
         return f"field '{loc}': unknown key"
+    msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith(limits.FIELD):  # a check naming a field inside the model
+        field, _, msg = msg[len(limits.FIELD) :].partition(": ")
+        return f"field '{'.'.join(p for p in (loc, field) if p)}': {msg}"
+    if err["type"] == "value_error":
+        return f"field '{loc}': {msg}" if loc else msg
     given = err.get("input")
     shown = "" if isinstance(given, dict) else f" (got {given!r})"
-    return f"field '{loc}': {err['msg']}{shown}"
+    return f"field '{loc}': {msg}{shown}"
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -408,22 +442,13 @@ def load_preset(name: str) -> dict[str, Any]:
     path = resources.files("fedcluster.presets") / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
-    return yaml.safe_load(path.read_text()) or {}
+    return safeyaml.loads(path.read_text(), f"preset {name}") or {}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's fields, read within :mod:`fedcluster.safeyaml`'s limits."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory, not a YAML file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
-    except yaml.YAMLError as exc:
-        detail = " ".join(str(exc).split())
-        raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
+    data = safeyaml.load_file(path)
     if data is None:  # an empty file is a mistake, not a request for the defaults
         raise ConfigError(f"config file {path} is empty (give at least one field)")
     if not isinstance(data, dict):
@@ -453,10 +478,7 @@ def apply_set(raw: dict[str, Any], assignment: str) -> dict[str, Any]:
         for k in keys:
             raw = apply_set(raw, f"{k}={text}")
         return raw
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML: {exc}") from None
+    value = safeyaml.loads(text, f"--set {key}: value {text[:80]!r}")
     out = copy.deepcopy(raw)
     node: Any = out
     parts = key.strip().split(".")

@@ -74,6 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedcluster.errors import ConfigError
 from fedcluster.rng import torch_rng
 
 if TYPE_CHECKING:
@@ -172,16 +173,23 @@ def calibrate_noise(
     """
     if steps <= 0:
         return 0.0
-    with _quiet():
-        return float(
-            _opacus().get_noise_multiplier(
-                target_epsilon=epsilon,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=int(steps),
-                accountant=accountant,
+    try:
+        with _quiet():
+            return float(
+                _opacus().get_noise_multiplier(
+                    target_epsilon=epsilon,
+                    target_delta=delta,
+                    sample_rate=sample_rate,
+                    steps=int(steps),
+                    accountant=accountant,
+                )
             )
-        )
+    except ValueError as exc:  # Opacus: "The privacy budget is too low."
+        raise ConfigError(
+            f"privacy: no noise level spends at most epsilon={epsilon:g}, delta={delta:g} "
+            f"over {int(steps)} steps at sampling rate {sample_rate:g} ({exc}); "
+            "raise privacy.epsilon or lower the uploads"
+        ) from None
 
 
 @lru_cache(maxsize=4096)

@@ -40,15 +40,26 @@ def _flat_size(shape: InputShape) -> int:
     return math.prod(shape)
 
 
+MAX_WIDTH = 10_000_000
+"""Widest layer a model option may ask for (a width of 0 divided by zero in the
+initialisation; larger ones are typos, and the memory check catches what fits below)."""
+
+
 def mlp(input_shape: InputShape, n_classes: int, hidden: Sequence[int] | None = None) -> nn.Module:
     """JGL Fig. 3 MLP: Flatten -> [Linear -> ReLU]* -> Linear."""
     if hidden is None:
         hidden = [2048, 512] if _flat_size(input_shape) >= 3 * 32 * 32 else [512, 128]
+    if not isinstance(hidden, list | tuple) or not all(
+        type(h) is int and 1 <= h <= MAX_WIDTH for h in hidden
+    ):
+        raise ConfigError(
+            f"model option hidden: a list of layer widths 1..{MAX_WIDTH:,}, got {hidden!r}"
+        )
     layers: list[nn.Module] = [nn.Flatten()]
     width = _flat_size(input_shape)
     for h in hidden:
-        layers += [nn.Linear(width, int(h)), nn.ReLU()]
-        width = int(h)
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
     layers.append(nn.Linear(width, n_classes))
     return nn.Sequential(*layers)
 
@@ -311,8 +322,10 @@ def build_model(name: str, input_shape: InputShape, n_classes: int, **options) -
         )
     try:
         model = factory(tuple(input_shape), n_classes, **options)
-    except TypeError as exc:
-        raise ConfigError(f"model: bad options {options} for {name!r}: {exc}") from exc
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model: bad options {options} for {name!r}: {exc}") from None
     except (MemoryError, RuntimeError) as exc:  # e.g. "DefaultCPUAllocator: can't allocate"
         size = "" if count is None else f" with {count:,} parameters"
         raise ConfigError(f"model: {name!r}{size} cannot be allocated: {exc}") from None

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from fedcluster import safeyaml
 from fedcluster.errors import ConfigError
 
 _ENTRY_KEYS = ("name", "label", "params")
@@ -85,10 +86,7 @@ def parse_sweep(text: str) -> tuple[str, str, list[Any]]:
             f"--sweep {text!r}: expected algorithms.<algorithm>.<parameter>=v1,v2,... "
             "(a sweep varies an algorithm's parameter within one run)"
         )
-    try:
-        parsed = [yaml.safe_load(v) for v in values.split(",")]
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--sweep {key}: values {values!r} are not valid YAML: {exc}") from None
+    parsed = [safeyaml.loads(v, f"--sweep {key}: value {v[:80]!r}") for v in values.split(",")]
     return parts[1], parts[2], parsed
 
 

@@ -112,7 +112,7 @@ def missing_objects(
     return out
 
 
-def check_resumable(
+def check_rebuildable(
     run_dir: Path,
     config: ExperimentConfig,
     model: object | None = None,

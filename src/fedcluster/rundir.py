@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import hashlib
+import io
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,10 +32,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fedcluster import safefiles
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.config import ExperimentConfig, dump_config
 from fedcluster.errors import FedclusterError
 from fedcluster.metrics import COLUMNS, format_row, note_cluster_shortfall
+from fedcluster.plugins import is_import_path
 from fedcluster.report import format_table, summary_rows
 
 CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
@@ -68,21 +73,21 @@ class RunDirectory:
 
         A second run or resume of the same directory gets a one-line error
         naming the holder's pid. The lock dies with its process, so the lock
-        file a killed run leaves behind is simply taken over.
+        file a killed run leaves behind is simply taken over; a symlink at
+        ``.lock`` is refused (:mod:`fedcluster.safefiles`).
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        path = self.path / ".lock"
-        with open(path, "a+") as f:
+        if not self.path.is_dir():
+            raise FedclusterError(f"{self.path} is not a run directory")
+        fd = safefiles.open_fd(self.path / ".lock", os.O_RDWR | os.O_CREAT)
+        with os.fdopen(fd, "r+") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                f.seek(0)
                 holder = f.read().strip() or "unknown"
                 raise FedclusterError(
                     f"run directory {self.path} is in use by process {holder} "
                     "(a run or resume of it); wait for it to end or choose another --out"
                 ) from None
-            f.seek(0)
             f.truncate()
             f.write(f"{os.getpid()}\n")
             f.flush()
@@ -91,26 +96,50 @@ class RunDirectory:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    @contextmanager
+    def claim(self) -> Iterator[None]:
+        """Hold a new run's directory: created here (``mkdir``, exclusive) or empty.
+
+        The lock is taken before the directory is looked at, so of two runs
+        started with the same ``--out`` one gets the directory and the other a
+        one-line error, whatever the interleaving. When the body fails before any
+        checkpoint, the directory is removed -- only if this process created it,
+        and while it still holds the lock -- so the same command can run again.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir()
+            created = True
+        except FileExistsError:
+            if not self.path.is_dir():
+                raise FedclusterError(
+                    f"--out {self.path} is an existing file, not a directory"
+                ) from None
+            created = False
+        with self.lock():
+            if not created and any(p.name != ".lock" for p in self.path.iterdir()):
+                raise FedclusterError(
+                    f"run directory {self.path} is not empty; choose another --out"
+                )
+            try:
+                yield
+            except BaseException:
+                if created and not any(self.checkpoints.glob("*.pt")):
+                    shutil.rmtree(self.path, ignore_errors=True)
+                raise
+
     def create(self, config: ExperimentConfig) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(self.path / "config.yaml", dump_config(config))
-        tables = (
-            (self.metrics, COLUMNS),
-            (self.clusters, CLUSTER_COLUMNS),
-            (self.diagnostics, DIAGNOSTIC_COLUMNS),
-            (self.events, EVENT_COLUMNS),
-        )
-        for path, header in tables:
-            with open(path, "w", newline="") as f:
-                csv.writer(f).writerow(header)
+        safefiles.write_atomic(self.path / "config.yaml", dump_config(config))
+        for path, header in self.tables():
+            safefiles.write_atomic(path, _csv_text([header]))
 
     def checkpoint_path(self, label: str, seed: int) -> Path:
         safe = "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)
         return self.checkpoints / f"{safe}-seed{seed}.pt"
 
     def append(self, path: Path, rows: list[list[str]]) -> None:
-        with open(path, "a", newline="") as f:
-            csv.writer(f).writerows(rows)
+        safefiles.append(path, _csv_text(rows))
 
     def _rewrite(
         self,
@@ -118,18 +147,12 @@ class RunDirectory:
         keep: Callable[[dict[str, str]], bool],
         order: Callable[[dict[str, str]], tuple] | None = None,
     ) -> None:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = list(reader.fieldnames or [])
-            rows = [r for r in reader if keep(r)]
+        reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+        header = list(reader.fieldnames or [])
+        rows = [r for r in reader if keep(r)]
         if order is not None:
             rows.sort(key=order)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, path)
+        safefiles.write_atomic(path, _csv_text([header, *([r[k] for k in header] for r in rows)]))
 
     def tables(self) -> list[tuple[Path, list[str]]]:
         return [
@@ -154,12 +177,7 @@ class RunDirectory:
             new = lines.get(path, [])
             if mine != new or dropped or not path.exists():
                 changed.append(path.name)
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(header)
-                writer.writerows(kept + new)
-            os.replace(tmp, path)
+            safefiles.write_atomic(path, _csv_text([header, *kept, *new]))
         return changed
 
     @staticmethod
@@ -167,10 +185,9 @@ class RunDirectory:
         path: Path, header: list[str], label: str, seed: int
     ) -> tuple[list[list[str]], list[list[str]], int]:
         """Other jobs' rows, this job's rows, and the number of unreadable rows of a table."""
-        if not path.exists():
+        if not os.path.lexists(path):
             return [], [], 0
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
+        rows = list(csv.reader(io.StringIO(_read_text(path), newline="")))
         kept, mine, dropped = [], [], 0
         a, s, r = header.index("algorithm"), header.index("seed"), header.index("round")
         for row in rows[1:] if rows and rows[0] == header else rows:
@@ -198,19 +215,66 @@ class RunDirectory:
             return
         self.artifacts.mkdir(exist_ok=True)
         path = self.artifacts / self.checkpoint_path(label, seed).with_suffix(".npz").name
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        safefiles.write_atomic(path, buffer.getvalue())
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _csv_text(rows: list[list[str]]) -> str:
+    buffer = io.StringIO(newline="")
+    csv.writer(buffer).writerows(rows)
+    return buffer.getvalue()
 
 
-CHECKPOINT_FORMAT = 2
-"""Version of the checkpoint layout (1: pickled state, before it was made safe)."""
+def _read_text(path: Path) -> str:
+    """A table's text; undecodable bytes become U+FFFD (such rows are dropped as unreadable)."""
+    return safefiles.read_bytes(path).decode("utf-8", errors="replace")
+
+
+CHECKPOINT_FORMAT = 3
+"""Version of the checkpoint layout (1: pickled state, before it was made safe; 2: before
+the config digest)."""
+
+
+def config_digest(config: ExperimentConfig) -> str:
+    """SHA-256 of the resolved config as ``config.yaml`` holds it: binds checkpoints to it."""
+    return hashlib.sha256(dump_config(config).encode()).hexdigest()
+
+
+def code_imports(config: ExperimentConfig) -> list[str]:
+    """The ``package.module:attr`` paths a config makes fedcluster import (model, loss,
+    algorithms, dataset, partition, federation factory)."""
+    names = [
+        config.model.name,
+        config.train.loss,
+        config.data.dataset,
+        str(config.data.partition.get("name", "")),
+        config.data.federation or "",
+        *(a.name for a in config.algorithms),
+    ]
+    return [n for n in names if is_import_path(n)]
+
+
+def check_resumable(rundir: RunDirectory, config: ExperimentConfig, trust: bool) -> None:
+    """Before anything of a run's config is imported: every checkpoint was written with it,
+    and code it imports (``model.name: 'pkg.mod:factory'``) is imported only when a
+    checkpoint vouches that the run started with it, or with ``trust`` (``--trust``)."""
+    digest = config_digest(config)
+    vouched = False
+    for path in sorted(rundir.checkpoints.glob("*.pt")):
+        if load_checkpoint(path).config_sha256 != digest:
+            raise FedclusterError(
+                f"config.yaml of {rundir.path} is not the config checkpoint {path.name} was "
+                "written with (was it edited?); restore it, or delete the checkpoint to "
+                "restart that job from round 1"
+            )
+        vouched = True
+    imports = code_imports(config)
+    if imports and not vouched and not trust:
+        raise FedclusterError(
+            f"config.yaml of {rundir.path} imports {', '.join(imports)} and no checkpoint "
+            "shows the run started with it; resume it with --trust if you trust that code"
+        )
 
 
 @dataclass
@@ -231,6 +295,21 @@ class Checkpoint:
     cluster_rounds: list[int] = field(default_factory=list)
     clusters: torch.Tensor | None = None
     """Every client's cluster in each of ``cluster_rounds`` [R, n] (None: unclustered)."""
+    config_sha256: str = ""
+    """:func:`config_digest` of the run's config when the checkpoint was written."""
+
+    def check(self, path: Path, label: str, seed: int, config: ExperimentConfig) -> None:
+        """Refuse a checkpoint whose metadata disagrees with the run's config or itself.
+
+        The round must lie within the run and the rows be exactly this job's
+        rounds 1..round, so that a forged or shifted row never reaches
+        ``metrics.csv`` (the config digest is checked first, :func:`check_resumable`).
+        """
+        why = _inconsistency(self, label, seed, config.rounds)
+        if why:
+            raise FedclusterError(
+                f"checkpoint {path}: {why}; delete it to restart that job from round 1"
+            )
 
     def lines(
         self, rundir: RunDirectory, label: str, seed: int, groups: np.ndarray | None
@@ -256,6 +335,42 @@ class Checkpoint:
         }
 
 
+def _inconsistency(ckpt: Checkpoint, label: str, seed: int, rounds: int) -> str | None:
+    """What is wrong with a checkpoint's metadata for job (label, seed) of a run, or None."""
+    rnd = ckpt.round
+    if type(rnd) is not int or not 1 <= rnd <= rounds:
+        return f"round {rnd!r} is outside the run's rounds 1..{rounds}"
+    rows = ckpt.rows
+    expected = [(r, label, seed) for r in range(1, rnd + 1)]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return "its metrics rows are not a list of rows"
+    if [(r.get("round"), r.get("algorithm"), r.get("seed")) for r in rows] != expected:
+        return f"its metrics rows are not rounds 1..{rnd} of {label} seed {seed}"
+    plain = (int, float, str, type(None))
+    if any(not all(isinstance(v, plain) for v in r.values()) for r in rows):
+        return "a metrics row holds a value that is not a number or text"
+    if not isinstance(ckpt.wall_seconds, int | float) or not ckpt.wall_seconds >= 0:
+        return f"wall_seconds {ckpt.wall_seconds!r} is not a time"
+    for name, entries in (("events", ckpt.events), ("diagnostics", ckpt.diagnostics)):
+        if not isinstance(entries, list) or not all(
+            isinstance(e, list) and e and type(e[0]) is int and 1 <= e[0] <= rnd for e in entries
+        ):
+            return f"its {name} are not records of rounds 1..{rnd}"
+    cluster_rounds = ckpt.cluster_rounds
+    if not isinstance(cluster_rounds, list) or not all(
+        type(r) is int and 1 <= r <= rnd for r in cluster_rounds
+    ):
+        return f"its cluster rounds are not within 1..{rnd}"
+    clusters = ckpt.clusters
+    if clusters is not None and (
+        not isinstance(clusters, torch.Tensor)
+        or clusters.ndim != 2
+        or len(clusters) != len(cluster_rounds)
+    ):
+        return "its cluster assignments do not match its cluster rounds"
+    return None
+
+
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write atomically: tensors through torch's format, everything else as JSON text."""
     meta = {
@@ -267,18 +382,19 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         "events": checkpoint.events,
         "diagnostics": checkpoint.diagnostics,
         "cluster_rounds": checkpoint.cluster_rounds,
+        "config_sha256": checkpoint.config_sha256,
     }
     tensors = {"state": checkpoint.state, "clusters": checkpoint.clusters}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"meta": json.dumps(meta), **tensors}, tmp)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()  # serialised first: a full disk is then an OSError of the write
+    torch.save({"meta": json.dumps(meta), **tensors}, buffer)
+    safefiles.write_atomic(path, buffer.getvalue())
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint without running any code from it (``weights_only=True``);
     a damaged, foreign or other-version file is a :class:`FedclusterError` naming it."""
     try:
-        raw = torch.load(path, weights_only=True)
+        raw = torch.load(io.BytesIO(safefiles.read_bytes(path)), weights_only=True)
         meta = json.loads(raw["meta"])
     except Exception as exc:  # torch raises many kinds on a damaged or crafted file
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -286,28 +402,29 @@ def load_checkpoint(path: Path) -> Checkpoint:
             f"checkpoint {path} cannot be read safely ({reason[:200]}); "
             "delete it to restart that job from round 1"
         ) from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
         raise FedclusterError(
-            f"checkpoint {path} has format {meta.get('format')}, this fedcluster reads "
+            f"checkpoint {path} has format {found}, this fedcluster reads "
             f"format {CHECKPOINT_FORMAT}; rerun the job or use the fedcluster that wrote it"
         )
-    return Checkpoint(
-        meta["round"],
-        raw["state"],
-        meta["rows"],
-        meta["wall_seconds"],
-        meta["privacy"],
-        meta["events"],
-        meta["diagnostics"],
-        meta["cluster_rounds"],
-        raw["clusters"],
-    )
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        return Checkpoint(
+            meta["round"],
+            raw["state"],
+            meta["rows"],
+            meta["wall_seconds"],
+            meta["privacy"],
+            meta["events"],
+            meta["diagnostics"],
+            meta["cluster_rounds"],
+            raw["clusters"],
+            meta["config_sha256"],
+        )
+    except (KeyError, TypeError) as exc:
+        raise FedclusterError(
+            f"checkpoint {path} lacks {exc}; delete it to restart that job from round 1"
+        ) from None
 
 
 def cluster_lines(
@@ -390,10 +507,11 @@ class Checkpointer(Callback):
     """``checkpoints/<label>-seed<s>.pt`` every ``every`` rounds and after the last,
     written atomically: what :func:`fedcluster.runner.resume` continues from."""
 
-    def __init__(self, rundir: RunDirectory, every: int, last: int) -> None:
+    def __init__(self, rundir: RunDirectory, every: int, last: int, digest: str) -> None:
         self.rundir = rundir
         self.every = every
         self.last = last
+        self.digest = digest
         self._started: dict[tuple[str, int], float] = {}
         self._history: dict[tuple[str, int], Checkpoint] = {}
 
@@ -437,6 +555,7 @@ class Checkpointer(Callback):
             rows=[_plain(row) for row in job.rows],
             wall_seconds=time.perf_counter() - self._started[key],
             privacy=None if job.privacy is None else job.privacy.state_dict(),
+            config_sha256=self.digest,
         )
         save_checkpoint(self.rundir.checkpoint_path(job.label, job.seed), checkpoint)
 
@@ -497,7 +616,7 @@ def run_directory_callbacks(
         EventsWriter(rundir),
         DiagnosticsWriter(rundir),
         ClustersWriter(rundir),
-        Checkpointer(rundir, config.checkpoint_every, config.rounds),
+        Checkpointer(rundir, config.checkpoint_every, config.rounds, config_digest(config)),
         SummaryWriter(rundir),
     ]
     return [*writers, ProgressBar(last)] if progress else writers
@@ -546,5 +665,5 @@ def write_summary(path: Path, config: ExperimentConfig, results: list[JobResult]
     """``summary.json`` (per-job summaries, NaN as null) and ``summary.md`` (the table)."""
     jobs = [{k: None if _nan(v) else v for k, v in job_summary(j).items()} for j in results]
     text = json.dumps({"name": config.name, "jobs": jobs}, indent=2, allow_nan=False)
-    _atomic_write_text(path / "summary.json", text)
-    _atomic_write_text(path / "summary.md", format_table(summary_rows(jobs)) + "\n")
+    safefiles.write_atomic(path / "summary.json", text)
+    safefiles.write_atomic(path / "summary.md", format_table(summary_rows(jobs)) + "\n")

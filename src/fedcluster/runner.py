@@ -39,6 +39,7 @@ from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.natural import NATURAL, make_natural
 from fedcluster.data.partitions import Partition, make_partition
+from fedcluster.data.screen import screen_clients
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
@@ -51,9 +52,15 @@ from fedcluster.metrics import accuracy_columns, cluster_columns, honest_accurac
 from fedcluster.models import build_model, check_rows_fit
 from fedcluster.plugins import import_object
 from fedcluster.privacy import LocalDP, reported_epsilon
-from fedcluster.rebuild import check_resumable, record_given
+from fedcluster.rebuild import check_rebuildable, record_given
 from fedcluster.rng import numpy_rng
-from fedcluster.rundir import JobResult, RunDirectory, load_checkpoint, run_directory_callbacks
+from fedcluster.rundir import (
+    JobResult,
+    RunDirectory,
+    check_resumable,
+    load_checkpoint,
+    run_directory_callbacks,
+)
 from fedcluster.scenario import Scenario
 
 log = logging.getLogger("fedcluster")
@@ -61,7 +68,8 @@ log = logging.getLogger("fedcluster")
 
 def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
     """Load the dataset and partition it among clients, as the config says, for one seed
-    (or call the factory ``data.federation`` names: :mod:`fedcluster.rebuild`)."""
+    (or call the factory ``data.federation`` names: :mod:`fedcluster.rebuild`); clients
+    with unusable data are left out or refused (``data.bad_clients``)."""
     if config.data.federation is not None:
         factory = import_object(config.data.federation, "federation")
         federation = factory() if callable(factory) else factory
@@ -70,8 +78,9 @@ def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
                 f"data.federation: {config.data.federation!r} gave a "
                 f"{type(federation).__name__}, not a Federation"
             )
-        return federation
-    return build_federation(*load_partitioned(config, seed))
+    else:
+        federation = build_federation(*load_partitioned(config, seed))
+    return screen_clients(federation, config.data.bad_clients)
 
 
 def load_partitioned(config: ExperimentConfig, seed: int) -> tuple[Dataset, Partition]:
@@ -193,7 +202,9 @@ class Experiment:
                 "it is not available for a federation passed in directly"
             )
         dataset, partition = load_partitioned(self.config, seed)
-        return build_federation(dataset, partition), DriftPool(dataset, partition)
+        # the pool follows the partition's client numbering: a bad client refuses the run
+        federation = screen_clients(build_federation(dataset, partition), "refuse")
+        return federation, DriftPool(dataset, partition)
 
     def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
@@ -216,7 +227,7 @@ class Experiment:
         """
         device = resolve_device(self.config.device)  # fails before the run directory exists
         rundir = RunDirectory(out)
-        with rundir.lock():
+        with rundir.lock() if resume else rundir.claim():
             return self._run(rundir, resume, progress, stop_after_round, device)
 
     def _run(
@@ -361,6 +372,7 @@ class Job:
             rundir.rebuild_job(info.label, info.seed, {})
             return None
         ckpt = load_checkpoint(path)
+        ckpt.check(path, info.label, info.seed, self.config)
         try:
             state = self.algorithm.StateType.from_record(ckpt.state)
         except (KeyError, TypeError, ValueError) as exc:
@@ -459,17 +471,22 @@ def resume(
     callbacks: Sequence[Callback] = (),
     model: nn.Module | None = None,
     federation: Federation | None = None,
+    trust: bool = False,
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config.
 
-    A run started with a model or federation object (``model.given``,
-    ``data.given`` in its config) needs the same objects again as ``model`` and
-    ``federation`` (their hashes are checked); without them it stops with one
-    line before touching the run directory (:mod:`fedcluster.rebuild`).
+    The config must be the one the checkpoints were written with; code it
+    imports is imported only then or with ``trust``
+    (:func:`~fedcluster.rundir.check_resumable`). A run started with a model or
+    federation object (``model.given``, ``data.given`` in its config) needs the
+    same objects again as ``model`` and ``federation`` (their hashes are
+    checked); without them it stops with one line before touching the run
+    directory (:mod:`fedcluster.rebuild`).
     """
     path = Path(out)
     config = validate_config(load_yaml(path / "config.yaml"))
-    check_resumable(path, config, model, federation)
+    check_resumable(RunDirectory(path), config, trust)
+    check_rebuildable(path, config, model, federation)
     if experiment_factory is not None:
         experiment = experiment_factory(config)
     else:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import gzip
 import math
+import os
+import stat
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -38,22 +41,57 @@ def find_idx_file(folder: Path, name: str) -> Path | None:
     return None
 
 
+MAX_IDX_BYTES = 2**31
+"""Largest IDX payload read (2 GiB; EMNIST byclass's training images, the largest
+pinned file, hold 547 MB): a gzip bomb stops here, not at the end of memory."""
+
+
 def _read_bytes(path: Path) -> bytes:
-    """The file's content, gunzipped if it is gzip data (whatever its name)."""
+    """The file's content, gunzipped if it is gzip data (whatever its name).
+
+    The stream is read no further than its IDX header's size (plus one byte, so
+    that a longer payload is still reported), at most :data:`MAX_IDX_BYTES`.
+    """
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise DataError(f"{path}: not a regular file")
+            gzipped = f.read(2) == _GZIP_MAGIC
+            f.seek(0)
+            if not gzipped and path.suffix == ".gz":
+                raise DataError(f"{path}: not a valid gzip file (starts with 0x{f.read(4).hex()})")
+            stream = gzip.GzipFile(fileobj=f) if gzipped else f
+            try:
+                return _read_capped(stream, path)
+            except (OSError, EOFError, zlib.error) as exc:
+                if not gzipped:
+                    raise
+                raise DataError(f"{path}: not a valid gzip file or truncated ({exc})") from exc
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except OSError as exc:
         raise DataError(f"{path}: cannot read the file ({exc.strerror or exc})") from exc
-    if raw[:2] != _GZIP_MAGIC:
-        if path.suffix == ".gz":
-            raise DataError(f"{path}: not a valid gzip file (starts with 0x{raw[:4].hex()})")
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: not a valid gzip file or truncated ({exc})") from exc
+
+
+def _read_capped(stream: BinaryIO, path: Path) -> bytes:
+    """Header and payload of an IDX stream, read up to the size its header declares."""
+    head = stream.read(4)
+    if len(head) < 4:
+        return head
+    dims = stream.read(4 * head[3])
+    if len(dims) < 4 * head[3]:
+        return head + dims
+    shape = np.frombuffer(dims, dtype=">u4").astype(np.int64)
+    size = math.prod(shape.tolist()) * _IDX_DTYPES.get(head[2], np.dtype(np.uint8)).itemsize
+    if size > MAX_IDX_BYTES:
+        raise DataError(
+            f"{path}: header declares {size:,} bytes of data, more than the "
+            f"{MAX_IDX_BYTES:,} read at most"
+        )
+    payload = stream.read(size + 1)
+    if len(payload) <= size:
+        stream.read()  # to the end: a gzip stream checks its length and CRC there
+    return head + dims + payload
 
 
 def read_idx(path: Path, ndim: int) -> np.ndarray:

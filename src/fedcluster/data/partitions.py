@@ -977,6 +977,11 @@ def rotation(
         )
     partition = _base_partition(base, base_options, y_train, y_test, rng)
     count = len(angle_list)
+    if count > partition.n_clients:
+        raise ConfigError(
+            f"partition option 'n_groups': {count} rotation groups for {partition.n_clients} "
+            "clients would leave groups empty; give at most one group per client"
+        )
     strata = partition.groups if partition.groups is not None else np.zeros(partition.n_clients)
     rot_group = np.empty(partition.n_clients, dtype=np.int64)
     offset = 0

@@ -44,6 +44,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedcluster.data.federation import Federation
+from fedcluster.data.screen import clients_with
 from fedcluster.dp import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.clock import ClientClock
@@ -127,6 +128,7 @@ class Simulator(ClientClock):
         self._revisions = federation.revisions.copy()
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
         self._grams = GramCache(self._x_flat[:, self._features], federation.train_offsets)
+        self._nonfinite = _nonfinite_clients(self._x_flat, federation.train_offsets)
 
     def _follow_data_changes(self) -> None:
         """Bring what the kernel derives from the training inputs (the used input
@@ -135,6 +137,7 @@ class Simulator(ClientClock):
         if len(changed) == 0 or self.kernel is None:
             return
         self._revisions = self.federation.revisions.copy()
+        self._nonfinite = _nonfinite_clients(self._x_flat, self.federation.train_offsets)
         features = _nonzero_span(self._x_flat)
         if features == self._features:
             self._grams.invalidate(changed)
@@ -240,7 +243,11 @@ class Simulator(ClientClock):
             else:
                 result = self._train_autograd(plans, start, cfg, classifier_only, gens)
             self._keep_own(clients, result.rows)
-            return TrainResult(result.rows.cpu(), result.loss, result.steps)
+            rows, loss = result.rows.cpu(), result.loss
+            poisoned = torch.as_tensor(self._nonfinite[clients])
+            if poisoned.any():  # garbage in, NaN out, wherever in its inputs the NaN sits
+                rows[poisoned], loss[poisoned] = math.nan, math.nan
+            return TrainResult(rows, loss, result.steps)
 
     def _dropout_generator(
         self, clients: np.ndarray, rnd: int, purpose: str, i: int
@@ -790,10 +797,19 @@ def _nonzero_span(x: torch.Tensor) -> slice:
     MNIST's 60,000 training images use only pixels 12–779 of 784, the 16,000
     of the JGL round benchmark pixels 34–779. The MLP kernel skips the others.
     """
-    used = torch.nonzero((x != 0).any(dim=0)).flatten()
+    # Only finite values count: a client's NaN must not widen the span, which would change
+    # the other clients' sums (their bytes); that client's rows are NaN anyway (train).
+    used = torch.nonzero(((x != 0) & torch.isfinite(x)).any(dim=0)).flatten()
     if len(used) == 0:
         return slice(0, 0)
     return slice(int(used[0]), int(used[-1]) + 1)
+
+
+def _nonfinite_clients(x: torch.Tensor, offsets: np.ndarray) -> np.ndarray:
+    """Per client (rows ``offsets[c]:offsets[c+1]`` of ``x``), whether an input is NaN or Inf."""
+    out = np.zeros(len(offsets) - 1, dtype=bool)
+    out[clients_with(~torch.isfinite(x).all(dim=1), offsets)] = True
+    return out
 
 
 MAX_GROUP = 8

@@ -22,7 +22,7 @@ def write_report(runs: list[str | Path], out: str | Path | None = None) -> Path:
     ``out`` defaults to the run directory for one run; several runs need it.
     """
     from fedcluster.reporting.document import build_sections
-    from fedcluster.reporting.rundata import load_run
+    from fedcluster.reporting.rundata import load_run, readable
     from fedcluster.reporting.writers import write_html, write_markdown
 
     if not runs:
@@ -33,8 +33,11 @@ def write_report(runs: list[str | Path], out: str | Path | None = None) -> Path:
         out = runs[0]
     data = [load_run(r) for r in runs]
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FedclusterError(f"report: --out {out} is an existing file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    sections = build_sections(data)
+    with readable(", ".join(map(str, runs))):
+        sections = build_sections(data)
     if len(data) == 1:
         title = f"fedcluster report: {data[0].name}"
         subtitle = f"Run directory {data[0].path}; seeds {', '.join(map(str, data[0].seeds))}."

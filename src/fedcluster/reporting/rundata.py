@@ -12,12 +12,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
+from fedcluster import safeyaml
 from fedcluster.errors import FedclusterError
 
 
@@ -83,17 +85,40 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def load_run(path: str | Path) -> RunData:
-    """Parse a run directory; a clear error when it is not one or has no finished round."""
-    path = Path(path)
+    """Parse a run directory; a clear error when it is not one or has no finished round.
+
+    A damaged or hand-edited directory (a row with a missing column, a seed that is
+    not a number, a config that is not a mapping, binary garbage) is one
+    :class:`FedclusterError` naming the directory, never a traceback.
+    """
+    with readable(path):
+        return _load_run(Path(path))
+
+
+@contextmanager
+def readable(what: str | Path) -> Iterator[None]:
+    """Turn what malformed run files raise while being read into one line naming ``what``."""
+    try:
+        yield
+    except FedclusterError:
+        raise
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, KeyError, TypeError, IndexError,
+            AttributeError, RecursionError) as exc:  # fmt: skip
+        reason = " ".join(str(exc).split())[:200]
+        raise FedclusterError(
+            f"{what}: not a readable run directory ({type(exc).__name__}: {reason})"
+        ) from None
+
+
+def _load_run(path: Path) -> RunData:
     config_file, metrics_file = path / "config.yaml", path / "metrics.csv"
     for required in (config_file, metrics_file):
         if not required.is_file():
             raise FedclusterError(f"{path} is not a run directory (no {required.name})")
-    config_text = config_file.read_text()
-    try:
-        config = yaml.safe_load(config_text) or {}
-    except yaml.YAMLError as exc:
-        raise FedclusterError(f"{config_file}: not valid YAML ({exc})") from None
+    config_text = safeyaml.read_text(config_file, "config file")
+    config = safeyaml.loads(config_text, str(config_file)) or {}
+    if not isinstance(config, dict):
+        raise FedclusterError(f"{config_file}: top level is not a mapping of fields")
     rows = _read_csv(metrics_file)
     if not rows:
         raise FedclusterError(f"{metrics_file}: no rounds yet; nothing to report")
