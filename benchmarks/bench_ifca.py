@@ -27,6 +27,7 @@ before and after; compare only ratios from one run.
 
     python benchmarks/bench_ifca.py --out ifca.json            # the full 2,400 clients
     python benchmarks/bench_ifca.py --clients-per-group 30 --ref-clients 120   # a quick check
+    python benchmarks/bench_ifca.py --rounds 2 --precision bf16  # bf16 products
     python benchmarks/bench_ifca.py --device cuda --clients-per-group 60 --rounds 2 \
         --data-dir DIR --out ifca-gpu.json                      # on a GPU
 
@@ -61,6 +62,7 @@ from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.computation import Request
 from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.precision import PRECISIONS
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 from fedcluster.runner import build_federation_for
@@ -193,6 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--data-dir", default=os.environ.get("FEDCLUSTER_DATA", str(REPO.parent / "shared/data"))
     )
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="the simulator's matrix products (bf16: fp32 accumulation, fp32 parameters)",
+    )
     add_device_argument(p)
     args = p.parse_args(argv)
     device = resolve_device(args.device)
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     del gen
     fed = fed.to(device)
-    sim = Simulator(model, fed, seed=0)
+    sim = Simulator(model, fed, seed=0, precision=args.precision)
     fast = [fast_round(sim, models, cfg, 1) for _ in range(args.rounds)]
     m = fed.n_clients
     per = args.ref_clients // 4 if args.ref_clients else m // 4
@@ -216,13 +224,16 @@ def main(argv: list[str] | None = None) -> dict:
     subset = np.concatenate([np.arange(g * group, g * group + per) for g in range(4)])
     ref = reference_round(model, fed, models, subset, cfg.train.lr, cfg.train.steps)
     scale = m / len(subset)
-    # Same round from the same models: the reference on its subset must match the
-    # simulator's choices and, when it ran on all clients, its cluster models.
-    assert np.array_equal(ref["choice"], fast[0]["choice"][subset]), "choices differ"
+    # Same round from the same models: in fp32 the reference on its subset must match
+    # the simulator's choices and, when it ran on all clients, its cluster models
+    # (bf16 products may flip near-ties: the count is reported).
+    other_choices = int((ref["choice"] != fast[0]["choice"][subset]).sum())
+    fp32 = args.precision == "fp32"
+    assert other_choices == 0 or not fp32, "choices differ"
     diff = None
     if len(subset) == m:
         diff = float((ref["models"] - fast[0]["models"]).abs().max())
-        assert diff <= 1e-3, f"cluster models differ by {diff}"
+        assert diff <= 1e-3 or not fp32, f"cluster models differ by {diff}"
     keys = ("choice_s", "train_s", "aggregate_s", "evaluate_s", "round_s")
     sim_t = {k: statistics.median(f[k] for f in fast) for k in keys}
     ref_t = {k: ref[k] * scale for k in keys}
@@ -231,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         "clients": m,
         "threads": torch.get_num_threads(),
         "device": str(device),
+        "precision": args.precision,
+        "bf16_products": sim.low is not None,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "simulator": sim_t,
@@ -239,10 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
         "reference_scaled_by": scale,
         "speedup_round": ref_t["round_s"] / sim_t["round_s"],
         "max_model_difference": diff,
+        "choices_other_than_reference": other_choices,
         "accuracy_after_round": fast[0]["accuracy"],
     }
     print(
-        f"{m} clients, {out['threads']} threads, device {device}, "
+        f"{m} clients, {out['threads']} threads, device {device}, {args.precision}, "
         f"load {load_before} -> {out['loadavg_after']}"
     )
     print(f"{'part':<12}{'simulator s':>14}{'IFCA-style loop s':>20}{'ratio':>8}")

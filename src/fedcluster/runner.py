@@ -229,7 +229,13 @@ class SimulatorFactory:
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend:
         assert isinstance(federation, Federation)
-        return Simulator(model, federation, seed=seed, group_size=self.config.group_size)
+        return Simulator(
+            model,
+            federation,
+            seed=seed,
+            group_size=self.config.group_size,
+            precision=self.config.precision,
+        )
 
 
 class Job:
