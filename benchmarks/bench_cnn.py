@@ -34,6 +34,11 @@ Run from the repository root::
 
     python -m benchmarks.bench_cnn --rounds 3 --out cnn.json
     python -m benchmarks.bench_cnn --rounds 3 --models resnet8,lenet-dropout
+    python -m benchmarks.bench_cnn --device cuda --rounds 2 --data-dir DIR --out cnn-gpu.json
+
+With ``--device cuda`` the federation, the simulator and the plain loop run on
+the GPU (timers bracket ``torch.cuda.synchronize()``) and the roofline peak is
+the GPU's fp32 ``torch.mm`` throughput.
 """
 
 from __future__ import annotations
@@ -56,11 +61,12 @@ from benchmarks.bench_round import (
     measure,
     summarize,
 )
-from benchmarks.common import save_run
+from benchmarks.common import add_device_argument, save_run
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
@@ -112,17 +118,20 @@ def layer_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int:
 
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     with torch.no_grad():
-        model(torch.zeros(1, *input_shape))
+        model(torch.zeros(1, *input_shape, device=next(model.parameters()).device))
     for h in handles:
         h.remove()
     return 2 * sum(per_layer) + sum(per_layer[1:])
 
 
-def run_workload(name: str, args: argparse.Namespace, peak: float) -> dict[str, Any]:
+def run_workload(
+    name: str, args: argparse.Namespace, peak: float, device: torch.device
+) -> dict[str, Any]:
     fed, model = build(
         name, Path(args.data_dir) if args.data_dir else default_data_dir(), args.clients
     )
-    row = init_row(model, SEED, "init")
+    row = init_row(model, SEED, "init")  # on the CPU: the same start row on every device
+    fed, model = fed.to(device), model.to(device)
     cfg = LocalTraining(lr=LR, batch_size=BATCH, epochs=1)
     clients = np.arange(fed.n_clients)
     weights = torch.as_tensor(fed.train_sizes)
@@ -178,11 +187,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workloads")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=None)
+    add_device_argument(ap)
     args = ap.parse_args(argv)
+    device = resolve_device(args.device)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    peak = matmul_peak()
-    results = {name: run_workload(name, args, peak["gflops"]) for name in args.models.split(",")}
+    peak = matmul_peak(device=device)
+    results = {
+        name: run_workload(name, args, peak["gflops"], device) for name in args.models.split(",")
+    }
     print(
         f"\n{'workload':<14}{'simulator':>11}{'sim fixed':>11}{'sim 1 thr':>11}{'loop':>9}"
         f"{'speedup':>9}{'roof':>7}"
@@ -198,11 +211,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     load_after = os.getloadavg()
     print(
-        f"matmul peak {peak['gflops']:.1f} GFLOP/s; threads {args.threads}; "
+        f"device {device}; matmul peak {peak['gflops']:.1f} GFLOP/s; threads {args.threads}; "
         f"load {load_before} / {load_after}"
     )
     print("goal: simulator >= 1.1x the plain loop")
-    save_run(args.out, results, load_before, threads=args.threads, matmul_peak=peak)
+    save_run(
+        args.out, results, load_before, threads=args.threads, device=str(device), matmul_peak=peak
+    )
     return results
 
 

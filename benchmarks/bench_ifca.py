@@ -27,6 +27,12 @@ before and after; compare only ratios from one run.
 
     python benchmarks/bench_ifca.py --out ifca.json            # the full 2,400 clients
     python benchmarks/bench_ifca.py --clients-per-group 30 --ref-clients 120   # a quick check
+    python benchmarks/bench_ifca.py --rounds 2 --precision bf16  # bf16 products
+    python benchmarks/bench_ifca.py --device cuda --clients-per-group 60 --rounds 2 \
+        --data-dir DIR --out ifca-gpu.json                      # on a GPU
+
+With ``--device cuda`` the federation, the simulator and the reference loop run
+on the GPU; every time stamp follows ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.bench_round import machine_info
+from benchmarks.common import add_device_argument, synchronize
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Context
 from fedcluster.algorithms.evaluation import own_loss_evaluate
@@ -52,7 +60,9 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.computation import Request
+from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.precision import PRECISIONS
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 from fedcluster.runner import build_federation_for
@@ -70,6 +80,12 @@ def build(clients_per_group: int, data_dir: str) -> tuple[Federation, object]:
     return build_federation_for(cfg, 0), cfg
 
 
+def _stamp() -> float:
+    """A time stamp after the GPU's queued work (if any) has finished."""
+    synchronize()
+    return time.perf_counter()
+
+
 def _parts(*stamps: float) -> dict[str, float]:
     """Seconds of the round's parts from the time stamps between them."""
     names = ("choice_s", "train_s", "aggregate_s", "evaluate_s")
@@ -82,18 +98,18 @@ def fast_round(sim: Simulator, models: torch.Tensor, cfg, rnd: int) -> dict:
     clients = np.arange(sim.federation.n_clients)
     train = LocalTraining(**cfg.train.model_dump())
     ctx = Context.for_backend(sim, train, 0, models[0])
-    t0 = time.perf_counter()
+    t0 = _stamp()
     request = Request(
         shared={"models": models}, settings={"train": train, "round": rnd, "batches": "all"}
     )
     choice = ctx.ask(LOSSES, clients, request, rnd)["losses"].numpy().argmin(axis=1)
-    t1 = time.perf_counter()
+    t1 = _stamp()
     trained = sim.train(clients, models[choice], train, rnd)
-    t2 = time.perf_counter()
+    t2 = _stamp()
     new = cluster_average(trained.rows, choice, models)
-    t3 = time.perf_counter()
+    t3 = _stamp()
     result, _ = own_loss_evaluate(ctx, clients, new, rnd)
-    t4 = time.perf_counter()
+    t4 = _stamp()
     accuracy = float(result.correct.sum() / result.count.sum())
     return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": choice, "accuracy": accuracy}
 
@@ -114,7 +130,7 @@ def reference_round(
         net = copy.deepcopy(model)
         layout.load_into(net, models[j])
         nets.append(net)
-    t0 = time.perf_counter()
+    t0 = _stamp()
     choice = []
     with torch.no_grad():  # get_inference_stats(train=True)
         for c in clients:
@@ -126,7 +142,7 @@ def reference_round(
                 losses.append(F.cross_entropy(logits, y).item())
                 _ = (logits.argmax(1) == y).sum().item()
             choice.append(int(np.argmin(losses)))
-    t1 = time.perf_counter()
+    t1 = _stamp()
     updated = []
     for c, j in zip(clients, choice, strict=True):  # train(cluster_assign, lr)
         sl = fed.client_slice(int(c))
@@ -139,7 +155,7 @@ def reference_round(
             for p in local.parameters():
                 p.data -= lr * p.grad
         updated.append(local)
-    t2 = time.perf_counter()
+    t2 = _stamp()
     new = models.clone()
     for j in range(k):  # global_param_update
         members = [m for m, cj in zip(updated, choice, strict=True) if cj == j]
@@ -152,7 +168,7 @@ def reference_round(
         for name, p in nets[j].named_parameters():
             p.data = sums[name] / len(members)
         new[j] = layout.flatten(nets[j])
-    t3 = time.perf_counter()
+    t3 = _stamp()
     with torch.no_grad():  # get_inference_stats(train=False): the distinct test clients
         seen = set()
         for c in clients:
@@ -165,7 +181,7 @@ def reference_round(
             for j in range(k):
                 logits = nets[j](x)
                 _ = F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).sum().item()
-    t4 = time.perf_counter()
+    t4 = _stamp()
     return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": np.array(choice)}
 
 
@@ -179,7 +195,15 @@ def main(argv: list[str] | None = None) -> dict:
         "--data-dir", default=os.environ.get("FEDCLUSTER_DATA", str(REPO.parent / "shared/data"))
     )
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="the simulator's matrix products (bf16: fp32 accumulation, fp32 parameters)",
+    )
+    add_device_argument(p)
     args = p.parse_args(argv)
+    device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -191,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         [layout.flatten(build_model("mlp", fed.input_shape, 10, hidden=[200])) for _ in range(4)]
     )
     del gen
-    sim = Simulator(model, fed, seed=0)
+    fed = fed.to(device)
+    sim = Simulator(model, fed, seed=0, precision=args.precision)
     fast = [fast_round(sim, models, cfg, 1) for _ in range(args.rounds)]
     m = fed.n_clients
     per = args.ref_clients // 4 if args.ref_clients else m // 4
@@ -199,19 +224,26 @@ def main(argv: list[str] | None = None) -> dict:
     subset = np.concatenate([np.arange(g * group, g * group + per) for g in range(4)])
     ref = reference_round(model, fed, models, subset, cfg.train.lr, cfg.train.steps)
     scale = m / len(subset)
-    # Same round from the same models: the reference on its subset must match the
-    # simulator's choices and, when it ran on all clients, its cluster models.
-    assert np.array_equal(ref["choice"], fast[0]["choice"][subset]), "choices differ"
+    # Same round from the same models: in fp32 the reference on its subset must match
+    # the simulator's choices and, when it ran on all clients, its cluster models
+    # (bf16 products may flip near-ties: the count is reported).
+    other_choices = int((ref["choice"] != fast[0]["choice"][subset]).sum())
+    fp32 = args.precision == "fp32"
+    assert other_choices == 0 or not fp32, "choices differ"
     diff = None
     if len(subset) == m:
         diff = float((ref["models"] - fast[0]["models"]).abs().max())
-        assert diff <= 1e-3, f"cluster models differ by {diff}"
+        assert diff <= 1e-3 or not fp32, f"cluster models differ by {diff}"
     keys = ("choice_s", "train_s", "aggregate_s", "evaluate_s", "round_s")
     sim_t = {k: statistics.median(f[k] for f in fast) for k in keys}
     ref_t = {k: ref[k] * scale for k in keys}
     out = {
+        "machine": machine_info(),
         "clients": m,
         "threads": torch.get_num_threads(),
+        "device": str(device),
+        "precision": args.precision,
+        "bf16_products": sim.low is not None,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "simulator": sim_t,
@@ -220,9 +252,13 @@ def main(argv: list[str] | None = None) -> dict:
         "reference_scaled_by": scale,
         "speedup_round": ref_t["round_s"] / sim_t["round_s"],
         "max_model_difference": diff,
+        "choices_other_than_reference": other_choices,
         "accuracy_after_round": fast[0]["accuracy"],
     }
-    print(f"{m} clients, {out['threads']} threads, load {load_before} -> {out['loadavg_after']}")
+    print(
+        f"{m} clients, {out['threads']} threads, device {device}, {args.precision}, "
+        f"load {load_before} -> {out['loadavg_after']}"
+    )
     print(f"{'part':<12}{'simulator s':>14}{'IFCA-style loop s':>20}{'ratio':>8}")
     for k in keys:
         print(f"{k[:-2]:<12}{sim_t[k]:>14.3f}{ref_t[k]:>20.3f}{ref_t[k] / sim_t[k]:>8.1f}")

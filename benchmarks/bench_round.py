@@ -32,6 +32,11 @@ Run from the repository root::
 
     pip install -e '.[flower]'   # Flower part; --skip-flower runs without it
     python benchmarks/bench_round.py --rounds 5 --out round.json
+    python benchmarks/bench_round.py --device cuda --rounds 3 --data-dir DIR --out gpu.json
+
+With ``--device cuda`` the federation, the simulator and the plain loop run on
+the GPU (timers bracket ``torch.cuda.synchronize()``), the roofline peak is the
+GPU's fp32 ``torch.mm`` throughput and Flower (a CPU engine) is skipped.
 """
 
 from __future__ import annotations
@@ -56,11 +61,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.common import add_device_argument, synchronize
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.partitions import ClientTestSpec, cluster_table
 from fedcluster.data.sources import ENV_DATA, load_dataset
 from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
@@ -135,9 +142,11 @@ def foreign_share(a: CpuSample | None, b: CpuSample | None, wall: float) -> floa
 
 def measure(fn: Callable[[], object]) -> tuple[float, float | None]:
     """Wall seconds of ``fn()`` and the foreign CPU share during it."""
+    synchronize()
     a = cpu_sample()
     t = time.perf_counter()
     fn()
+    synchronize()
     wall = time.perf_counter() - t
     return wall, foreign_share(a, cpu_sample(), wall)
 
@@ -200,8 +209,13 @@ def build_workload(data_dir: str | Path) -> tuple[Federation, nn.Module]:
 
 
 # --------------------------------------------------------------------- roofline
-def matmul_peak(sizes: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072)) -> dict[str, Any]:
-    """fp32 ``torch.mm`` throughput of square products; the best size is the peak.
+def matmul_peak(
+    sizes: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072),
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """``torch.mm`` throughput of square products on ``device`` (fp32 unless ``dtype``
+    says otherwise); the best size is the peak.
 
     Each size is timed several times and its fastest run counts (noise from
     other processes only ever adds time).
@@ -211,15 +225,17 @@ def matmul_peak(sizes: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072)) -> 
     a0 = cpu_sample()
     t0 = time.perf_counter()
     for n in sizes:
-        a = torch.randn(n, n, generator=gen)
-        b = torch.randn(n, n, generator=gen)
-        c = torch.empty(n, n)
+        a = torch.randn(n, n, generator=gen).to(device, dtype)
+        b = torch.randn(n, n, generator=gen).to(device, dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
         torch.mm(a, b, out=c)
         reps = max(5, min(50, int(3e9 / (2 * n**3)) + 1))
         best = float("inf")
         for _ in range(reps):
+            synchronize()
             t = time.perf_counter()
             torch.mm(a, b, out=c)
+            synchronize()
             best = min(best, time.perf_counter() - t)
         per_size[n] = 2 * n**3 / best / 1e9
     top = max(per_size, key=per_size.__getitem__)
@@ -251,7 +267,9 @@ def round_flops(fed: Federation, dims: list[tuple[int, int]]) -> dict[str, Any]:
     }
 
 
-def shape_matmul_time(fed: Federation, dims: list[tuple[int, int]], reps: int = 3) -> float:
+def shape_matmul_time(
+    fed: Federation, dims: list[tuple[int, int]], reps: int = 3, device: torch.device | str = "cpu"
+) -> float:
     """Time of the round's matmuls alone, one client at a time, at their real shapes.
 
     Every batch of every client as bare ``torch.mm`` calls (forward, weight
@@ -260,12 +278,13 @@ def shape_matmul_time(fed: Federation, dims: list[tuple[int, int]], reps: int = 
     """
     sizes = [len(b) for n in fed.train_sizes for b in _plan(int(n), 0, 0)]
     bsz = sorted(set(sizes))
-    w = [torch.randn(o, i) for i, o in dims]
-    acts = {b: [torch.randn(b, i) for i, _ in dims] for b in bsz}
-    grads = {b: [torch.randn(b, o) for _, o in dims] for b in bsz}
-    outs = {b: [torch.empty(b, o) for _, o in dims] for b in bsz}
-    gw = [torch.empty(o, i) for i, o in dims]
-    gin = {b: [torch.empty(b, i) for i, _ in dims] for b in bsz}
+    dev = {"device": device}
+    w = [torch.randn(o, i, **dev) for i, o in dims]
+    acts = {b: [torch.randn(b, i, **dev) for i, _ in dims] for b in bsz}
+    grads = {b: [torch.randn(b, o, **dev) for _, o in dims] for b in bsz}
+    outs = {b: [torch.empty(b, o, **dev) for _, o in dims] for b in bsz}
+    gw = [torch.empty(o, i, **dev) for i, o in dims]
+    gin = {b: [torch.empty(b, i, **dev) for i, _ in dims] for b in bsz}
 
     def one_round() -> None:
         for b in sizes:
@@ -493,6 +512,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
     }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         for line in lscpu.splitlines():
@@ -500,7 +521,9 @@ def machine_info() -> dict[str, Any]:
             if key.strip() in ("Model name", "CPU(s)", "Thread(s) per core", "Flags"):
                 value = value.strip()
                 if key.strip() == "Flags":
-                    value = " ".join(f for f in value.split() if f.startswith(("avx", "fma")))
+                    value = " ".join(
+                        f for f in value.split() if f.startswith(("avx", "fma", "amx"))
+                    )
                 info[key.strip()] = value
     except (OSError, subprocess.CalledProcessError):
         pass
@@ -537,15 +560,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--profile", action="store_true", help="profile one simulator round")
     ap.add_argument("--flower-logs", action="store_true", help="keep Flower's INFO logs")
+    add_device_argument(ap)
     args = ap.parse_args(argv)
     limit = args.max_foreign
+    device = resolve_device(args.device)
+    if device.type != "cpu" and not args.skip_flower:
+        print(f"Flower runs on the CPU only: skipped with --device {args.device}")
+        args.skip_flower = True
 
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     print(f"threads: torch.get_num_threads() = {torch.get_num_threads()}; load {load_before}")
     fed, model = build_workload(data_dir)
-    row = init_row(model, SEED, "init")
+    row = init_row(model, SEED, "init")  # on the CPU: the same start row on every device
+    fed, model = fed.to(device), model.to(device)
+    gpu = f" ({torch.cuda.get_device_name(0)})" if device.type == "cuda" else ""
+    print(f"device: {device}{gpu}")
     cfg = LocalTraining(lr=LR, batch_size=BATCH, epochs=1)
     dims = linear_dims(model)
     print(
@@ -555,10 +586,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
 
     wait_quiet(limit, args.wait_quiet)
-    peaks = [matmul_peak()]
+    peaks = [matmul_peak(device=device)]
     flops = round_flops(fed, dims)
     wait_quiet(limit, args.wait_quiet)
-    shape_s = shape_matmul_time(fed, dims)
+    shape_s = shape_matmul_time(fed, dims, device=device)
     print(
         f"matmul peak {peaks[0]['gflops']:.1f} GFLOP/s (n = {peaks[0]['size']}); round "
         f"{flops['total'] / 1e9:.2f} GFLOP; bare per-client matmuls at the round's shapes "
@@ -618,7 +649,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prof = profile_round(Simulator(model, fed, seed=SEED, group_size=best_g), row, cfg)
 
     wait_quiet(limit, args.wait_quiet)
-    peaks.append(matmul_peak())
+    peaks.append(matmul_peak(device=device))
     peak = max(peaks, key=lambda p: p["gflops"])
     roofline_s = flops["total"] / (peak["gflops"] * 1e9)
     flower_best = min(flower, key=lambda k: flower[k]["median"]) if flower else None
@@ -656,6 +687,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "machine": machine_info(),
         "torch_num_threads": torch.get_num_threads(),
+        "device": str(device),
         "load_average_before": load_before,
         "load_average_after": load_after,
         "max_foreign_cpu_share": limit,

@@ -9,8 +9,10 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fedcluster.config import resolve_config
+from fedcluster.engine.device import DEVICES
 from fedcluster.rundir import job_summary
 from fedcluster.runner import Experiment
 
@@ -20,6 +22,22 @@ REPO = Path(__file__).resolve().parents[1]
 def default_data_dir() -> str:
     """``$FEDCLUSTER_DATA`` or ``../shared/data`` beside the repository."""
     return os.environ.get("FEDCLUSTER_DATA", str(REPO.parent / "shared" / "data"))
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """``--device cpu|cuda|auto``: where the simulator and the plain loop run."""
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="run the simulator and the plain loop here (cuda: a GPU; auto: cuda if visible)",
+    )
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work (nothing on a CPU), so that a timer brackets it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -357,6 +357,12 @@ class ExperimentConfig(_Strict):
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu", description="where the simulator computes (auto: cuda when a GPU is visible)"
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="matrix products of training, choice and evaluation: fp32, or bf16 with "
+        "fp32 accumulation and fp32 parameters (CPUs with AVX512-BF16/AMX and GPUs; "
+        "elsewhere fp32 with a warning)",
+    )
     checkpoint_every: int = Field(5, ge=1, le=MAX_ROUNDS)
     group_size: int | None = Field(
         None,

@@ -123,6 +123,7 @@ def simulator_for(
         group_size=config.group_size,
         loss=resolve_loss(config.train.loss) if loss is None else loss,
         local_buffers=config.model.buffers == "local",
+        precision=config.precision,
         **options,
     )
 

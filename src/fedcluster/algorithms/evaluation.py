@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fedcluster.engine.client_computations import EVALUATE_MODELS
+from fedcluster.engine.computation import Request
 from fedcluster.engine.results import EvalResult
 
 if TYPE_CHECKING:
@@ -31,14 +33,16 @@ def own_loss_evaluate(
 ) -> tuple[EvalResult, np.ndarray]:
     """Each client tested with the model of lowest loss on its own test data.
 
-    Returns the result and the chosen model per client (ties: the lowest index,
-    as ``np.argmin`` in IFCA's reference code).
+    One measurement asks every client for all K models' results
+    (:data:`~fedcluster.engine.client_computations.EVALUATE_MODELS`: one pass
+    over each distinct test set). Returns the result and the chosen model per
+    client (ties: the lowest index, as ``np.argmin`` in IFCA's reference code).
     """
-    n = len(clients)
-    results = [ctx.evaluate(clients, rows, np.full(n, j), rnd) for j in range(rows.shape[0])]
-    losses = np.stack([r.loss_sum / np.maximum(r.count, 1) for r in results], axis=1)
-    choice = losses.argmin(axis=1)
-    pick = np.arange(n)
-    correct = np.stack([r.correct for r in results], axis=1)[pick, choice]
-    loss_sum = np.stack([r.loss_sum for r in results], axis=1)[pick, choice]
-    return EvalResult(correct, results[0].count.copy(), loss_sum, results[0].clients), choice
+    request = Request(shared={"models": rows}, settings={"split": "test"})
+    replies = ctx.ask(EVALUATE_MODELS, clients, request, rnd, measurement=True)
+    correct, count = replies["correct"].numpy(), replies["count"].numpy()
+    loss_sums = replies["loss_sum"].numpy()
+    choice = (loss_sums / np.maximum(count, 1)[:, None]).argmin(axis=1)
+    pick = np.arange(len(choice))
+    result = EvalResult(correct[pick, choice], count, loss_sums[pick, choice], replies.clients)
+    return result, choice

@@ -99,12 +99,9 @@ def n_models(request: Request) -> tuple[int, ...]:
 def _losses(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
     s = request.settings
     models = request.shared["models"]
-    if s.get("batches", "one") == "all":  # IFCA's full-data choice
-        out = torch.empty(len(clients), models.shape[0])
-        for j in range(models.shape[0]):
-            res = sim.evaluate(clients, models, np.full(len(clients), j), split="train")
-            out[:, j] = torch.as_tensor(res.loss_sum / np.maximum(res.count, 1))
-        return {"losses": out}
+    if s.get("batches", "one") == "all":  # IFCA's full-data choice: all K in one pass
+        _, count, loss_sum = sim.evaluate_models(clients, models, split="train")
+        return {"losses": torch.as_tensor(loss_sum / np.maximum(count, 1)[:, None]).float()}
     losses, _ = sim.losses_and_grads(
         clients, models, s["train"], s["round"], s.get("purpose", "decide"), with_grads=False
     )
@@ -142,16 +139,25 @@ def _evaluate(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
 
 
 def _evaluation_bounds(request: Request, reply: Payload) -> list[str | None]:
-    """Correct predictions and the loss cannot exceed what the sample count allows."""
+    """Correct predictions and the loss cannot exceed what the sample count allows
+    (for each model, where a client reports on several)."""
     out: list[str | None] = []
     for correct, count, loss in zip(
         reply["correct"].tolist(), reply["count"].tolist(), reply["loss_sum"].tolist(), strict=True
     ):
-        if not 0 <= correct <= count or count < 0 or loss < 0:
+        corrects = correct if isinstance(correct, list) else [correct]
+        losses = loss if isinstance(loss, list) else [loss]
+        if count < 0 or not all(0 <= c <= count for c in corrects) or min(losses) < 0:
             out.append(f"evaluation out of bounds (correct {correct}, count {count}, loss {loss})")
         else:
             out.append(None)
     return out
+
+
+MEASUREMENT = (
+    "measurement: the experimenter's test of the model a client would use, "
+    "not part of any algorithm's protocol (its traffic is counted apart)"
+)
 
 
 EVALUATE = register_computation(
@@ -163,12 +169,37 @@ EVALUATE = register_computation(
             "loss_sum": ReplyField((), dtype=torch.float64),
         },
         batched_run=_evaluate,
-        exempt_because=(
-            "measurement: the experimenter's test of the model a client would use, "
-            "not part of any algorithm's protocol (its traffic is counted apart)"
-        ),
+        exempt_because=MEASUREMENT,
         check=_evaluation_bounds,
     )
 )
 """Correct predictions, sample count and summed loss of the model each client uses
 (``models`` shared with one index per client: a client receives only its model)."""
+
+
+def _evaluate_models(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+    correct, count, loss_sum = sim.evaluate_models(
+        clients, request.shared["models"], request.settings.get("split", "test")
+    )
+    return {
+        "correct": torch.as_tensor(correct),
+        "count": torch.as_tensor(count),
+        "loss_sum": torch.as_tensor(loss_sum),
+    }
+
+
+EVALUATE_MODELS = register_computation(
+    ClientComputation(
+        name="evaluate_models",
+        reply={
+            "correct": ReplyField(n_models, dtype=torch.int64),
+            "count": ReplyField((), dtype=torch.int64),
+            "loss_sum": ReplyField(n_models, dtype=torch.float64),
+        },
+        batched_run=_evaluate_models,
+        exempt_because=MEASUREMENT,
+        check=_evaluation_bounds,
+    )
+)
+"""Correct predictions [K], sample count and summed losses [K] of each of the K received
+``models`` on the client's data (IFCA's own-loss test protocol: every model, one pass)."""

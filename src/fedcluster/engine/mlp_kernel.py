@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedcluster.engine.flat import ParamLayout
@@ -45,11 +46,45 @@ class _Layer:
 
 
 class MLPKernel:
-    """Batched cross-entropy SGD for a Linear/ReLU stack."""
+    """Batched cross-entropy SGD for a Linear/ReLU stack.
 
-    def __init__(self, layers: list[_Layer], dim: int) -> None:
+    ``low`` (``torch.bfloat16`` or ``None``) is the dtype of the matrix products of
+    training (:meth:`sgd_step`, :meth:`sgd_deferred`, :meth:`sgd_full_batch`) and
+    of :meth:`logits`: operands rounded to it, float32 accumulation, the result
+    rounded to it and used in float32 (:mod:`fedcluster.engine.precision`);
+    ``None`` is plain float32.
+    """
+
+    def __init__(self, layers: list[_Layer], dim: int, low: torch.dtype | None = None) -> None:
         self.layers = layers
         self.dim = dim
+        self.low = low
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a product operand (rounded to ``low``, else itself)."""
+        return t if self.low is None else t.to(self.low)
+
+    def _bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.low is None:
+            return torch.bmm(a, b)
+        return torch.bmm(a.to(self.low), b.to(self.low)).float()
+
+    def _mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.low is None:
+            return torch.mm(a, b)
+        return torch.mm(a.to(self.low), b.to(self.low)).float()
+
+    def _baddbmm_(self, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+        """c += alpha·(a @ b) in place, c float32 (the master weights)."""
+        if self.low is None:
+            c.baddbmm_(a, b, alpha=alpha)
+        else:
+            c.add_(torch.bmm(a.to(self.low), b.to(self.low)), alpha=alpha)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.low is None:
+            return F.linear(x, w, b)
+        return F.linear(x.to(self.low), w.to(self.low), b.to(self.low)).float()
 
     @classmethod
     def detect(cls, module: nn.Module, layout: ParamLayout) -> MLPKernel | None:
@@ -105,6 +140,38 @@ class MLPKernel:
             out[:, lay.weight].view(g, *lay.shape).copy_(w.transpose(1, 2))
             out[:, lay.bias] = b
 
+    def logits(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Logits [K, P, C] of the K models ``rows`` [K, d] on the same inputs ``x`` [P, ...].
+
+        The first layer is one product X [W₁ | … | W_K]ᵀ + [b₁ | … | b_K] (X is
+        read once for all K models); the upper layers run model by model.
+        Every product is ``F.linear`` on ``nn.Linear``'s layout, as the module's
+        own forward computes it: each model's logits equal its forward pass
+        alone to the last bit (the columns of one product do not interact).
+        """
+        k, p = rows.shape[0], x.shape[0]
+        first = self.layers[0]
+        width = first.shape[0]
+        z = self._linear(
+            x.reshape(p, -1),
+            rows[:, first.weight].reshape(k * width, -1),
+            rows[:, first.bias].reshape(-1),
+        ).view(p, k, width)
+        h = torch.empty(k, p, width, dtype=z.dtype, device=z.device)
+        h.copy_(z.transpose(0, 1))
+        if len(self.layers) == 1:
+            return h
+        h.relu_()
+        out = []
+        for j in range(k):
+            a = h[j]
+            for i, lay in enumerate(self.layers[1:], start=2):
+                a = self._linear(a, rows[j, lay.weight].view(lay.shape), rows[j, lay.bias])
+                if i < len(self.layers):
+                    a = torch.relu(a)
+            out.append(a)
+        return torch.stack(out)
+
     def forward(
         self, params: LayerParams, x: torch.Tensor
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -113,7 +180,7 @@ class MLPKernel:
         h = x
         last = len(params) - 1
         for i, (w, b) in enumerate(params):
-            z = torch.bmm(h, w).add_(b.unsqueeze(1))
+            z = self._bmm(h, w).add_(b.unsqueeze(1))
             if i == last:
                 return acts, z
             h = torch.relu(z)
@@ -189,10 +256,10 @@ class MLPKernel:
         for i in range(len(params) - 1, first_trainable - 1, -1):
             w, b = params[i]
             h = acts[i]
-            dh = torch.bmm(d, w.transpose(1, 2)) if i > first_trainable or input_gradient else None
+            dh = self._bmm(d, w.transpose(1, 2)) if i > first_trainable or input_gradient else None
             if momentum > 0.0:
                 assert buffers is not None
-                gw, gb = torch.bmm(h.transpose(1, 2), d), d.sum(dim=1)
+                gw, gb = self._bmm(h.transpose(1, 2), d), d.sum(dim=1)
                 if mu > 0.0:
                     assert anchors is not None
                     aw, ab = anchors[i]
@@ -211,7 +278,7 @@ class MLPKernel:
                     aw, ab = anchors[i]
                     w.sub_((w - aw).mul_(rate.view(-1, 1, 1)))
                     b.sub_((b - ab).mul_(rate.view(-1, 1)))
-                w.baddbmm_(h.transpose(1, 2), d, alpha=-lr)
+                self._baddbmm_(w, h.transpose(1, 2), d, -lr)
                 b.sub_(d.sum(dim=1), alpha=lr)
             if dh is not None:
                 d = _relu_backward(dh, h)
@@ -285,11 +352,12 @@ class MLPKernel:
             steps = range(c, min(n_steps, c + chunk))
             chosen = torch.cat([idx[:, s, : widths[s]] for s in steps], dim=1)
             x = samples.index_select(0, chosen.view(-1)).view(g, chosen.shape[1], -1)
+            x = self._cast(x)
             gram = grams(chosen) if grams is not None else None
             if c == 0 and same_start:  # one product for the whole group
-                pre = torch.mm(x.view(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
+                pre = self._mm(x.view(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
             else:
-                pre = torch.bmm(x, w1.transpose(1, 2))
+                pre = self._bmm(x, w1.transpose(1, 2))
             deltas = torch.empty_like(pre)
             lo = 0
             for s in steps:
@@ -299,9 +367,9 @@ class MLPKernel:
                     block = (
                         gram[:, lo:hi, :lo]
                         if gram is not None
-                        else torch.bmm(x[:, lo:hi], x[:, :lo].transpose(1, 2))
+                        else self._bmm(x[:, lo:hi], x[:, :lo].transpose(1, 2))
                     )
-                    z.baddbmm_(block, deltas[:, :lo], alpha=-lr)
+                    self._baddbmm_(z, block, deltas[:, :lo], -lr)
                 ys, ws = y[:, s, : widths[s]], weight[:, s, : widths[s]]
                 if upper:
                     loss, d = self.sgd_step(upper, torch.relu(z), ys, ws, lr, input_gradient=True)
@@ -312,7 +380,7 @@ class MLPKernel:
                 b1.sub_(d.sum(dim=1), alpha=lr)
                 total += loss
                 lo = hi
-            w1.baddbmm_(deltas.transpose(1, 2), x, alpha=-lr)
+            self._baddbmm_(w1, deltas.transpose(1, 2), x, -lr)
         self.pack(upper, rows, from_layer=1)
         return total
 
@@ -354,14 +422,20 @@ class MLPKernel:
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
+        x, gram = self._cast(x), self._cast(gram)
         if same_start:  # one product for the whole group
-            pre = torch.mm(x.reshape(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
+            pre = self._mm(x.reshape(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
         else:
-            pre = torch.bmm(x, w1.transpose(1, 2))
+            pre = self._bmm(x, w1.transpose(1, 2))
         summed = torch.zeros_like(pre)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
         for s in range(n_steps):
-            z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
+            if self.low is None:
+                z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
+            else:
+                z = pre.clone()
+                if s:
+                    self._baddbmm_(z, gram, summed, -lr)
             z.add_(b1.unsqueeze(1))
             if upper:
                 loss, d = self.sgd_step(
@@ -373,7 +447,7 @@ class MLPKernel:
             summed += d
             b1.sub_(d.sum(dim=1), alpha=lr)
             total += loss
-        w1.baddbmm_(summed.transpose(1, 2), x, alpha=-lr)
+        self._baddbmm_(w1, summed.transpose(1, 2), x, -lr)
         self.pack(upper, rows, from_layer=1)
         return total
 

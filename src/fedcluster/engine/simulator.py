@@ -52,7 +52,9 @@ from fedcluster.engine.computation import ClientComputation, ClientData, Request
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
+from fedcluster.engine.model_eval import chunk_stats, distinct_chunks
 from fedcluster.engine.modes import LossFn, loss_or_default, training
+from fedcluster.engine.precision import resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.threads import usable_workers
 from fedcluster.errors import ConfigError, FedclusterError
@@ -81,7 +83,9 @@ class Simulator(ClientClock):
     ``client_ids`` names the federation's clients in the random streams (batch
     plans, DP noise); by default client i is i. A Flower node holding one
     client of a larger federation passes that client's id, so its batches are
-    those the simulator draws for it.
+    those the simulator draws for it. ``precision="bf16"`` runs the matrix products of
+    training (MLP kernel), the K-model losses and the evaluation in bfloat16
+    (:mod:`fedcluster.engine.precision`).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class Simulator(ClientClock):
         client_ids: np.ndarray | None = None,
         loss: LossFn | None = None,
         local_buffers: bool = False,
+        precision: str = "fp32",
     ) -> None:
         self.device = federation.x_train.device  # set by Federation.to (engine.device)
         self.model = model.to(self.device).eval()  # train() only inside local training
@@ -124,20 +129,28 @@ class Simulator(ClientClock):
         """FedBN: the row positions each client keeps (its BatchNorm layers), else ``None``."""
         self._own: dict[int, torch.Tensor] = {}
         """FedBN: client -> its own values at those positions, once it has trained."""
+        self.low = resolve_precision(precision, self.device)
+        if self.kernel is not None:
+            self.kernel.low = self.low
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
         self._revisions = federation.revisions.copy()
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
         self._grams = GramCache(self._x_flat[:, self._features], federation.train_offsets)
         self._nonfinite = _nonfinite_clients(self._x_flat, federation.train_offsets)
+        self._test_chunks: np.ndarray | None = None  # distinct test sets, on first use
 
     def _follow_data_changes(self) -> None:
-        """Bring what the kernel derives from the training inputs (the used input
-        features, the Gram matrices) up to date after in-place changes (drift)."""
+        """Bring what the simulator derives from the clients' data (the distinct test
+        sets; for the kernel the used input features and the Gram matrices) up to
+        date after in-place changes (drift)."""
         changed = np.flatnonzero(self.federation.revisions != self._revisions)
-        if len(changed) == 0 or self.kernel is None:
+        if len(changed) == 0:
             return
         self._revisions = self.federation.revisions.copy()
         self._nonfinite = _nonfinite_clients(self._x_flat, self.federation.train_offsets)
+        self._test_chunks = None
+        if self.kernel is None:
+            return
         features = _nonzero_span(self._x_flat)
         if features == self._features:
             self._grams.invalidate(changed)
@@ -726,55 +739,83 @@ class Simulator(ClientClock):
         model_of_client: np.ndarray,
         split: str = "test",
     ) -> EvalResult:
-        """Accuracy and loss of ``rows[model_of_client[i]]`` on client ``clients[i]``'s data."""
-        fed = self.federation
-        x_all, y_all = (fed.x_test, fed.y_test) if split == "test" else (fed.x_train, fed.y_train)
-        off = fed.test_offsets if split == "test" else fed.train_offsets
+        """Accuracy and loss of ``rows[model_of_client[i]]`` on client ``clients[i]``'s data.
+
+        Each distinct (data set, model) pair is computed once and its result
+        given to every client that shares it (:mod:`fedcluster.engine.model_eval`).
+        """
         clients = np.asarray(clients, dtype=np.int64)
         model_of_client = np.asarray(model_of_client, dtype=np.int64)
-        correct = np.zeros(len(clients), dtype=np.int64)
-        loss_sum = np.zeros(len(clients), dtype=np.float64)
-        count = (off[clients + 1] - off[clients]).astype(np.int64)
-        if self._local is None:  # clients sharing a model are evaluated together
-            models = np.unique(model_of_client)
-            units = [(rows[m], np.flatnonzero(model_of_client == m)) for m in models]
-        else:  # FedBN: each client with its own BatchNorm layers
-            units = [
-                (self.personal(rows[m], c), np.array([i]))
-                for i, (c, m) in enumerate(zip(clients, model_of_client, strict=True))
-            ]
         with self.timed():
+            chunk, count = self._chunks(clients, split)
+            correct = np.zeros(len(clients), dtype=np.int64)
+            loss_sum = np.zeros(len(clients), dtype=np.float64)
+            if self._local is None:  # clients sharing a model are evaluated together
+                units = [
+                    (rows[m : m + 1], np.flatnonzero(model_of_client == m))
+                    for m in np.unique(model_of_client)
+                ]
+            else:  # FedBN: each client with its own BatchNorm layers
+                units = [
+                    (self.personal(rows[m], c).unsqueeze(0), np.array([i]))
+                    for i, (c, m) in enumerate(zip(clients, model_of_client, strict=True))
+                ]
             for row, members in units:
-                idx = torch.cat(
-                    [torch.arange(off[clients[i]], off[clients[i] + 1]) for i in members]
-                ).to(self.device)
-                if len(idx) == 0:
-                    continue
-                owner = np.repeat(members, count[members])
-                for s in range(0, len(idx), 8192):
-                    part = idx[s : s + 8192]
-                    logits = self.layout.forward(row.to(self.device), x_all[part])
-                    y = y_all[part]
-                    own = owner[s : s + 8192]
-                    hit = (logits.argmax(dim=1) == y).cpu().numpy()
-                    np.add.at(correct, own, hit.astype(np.int64))
-                    np.add.at(loss_sum, own, self._sample_losses(logits, y, own))
+                distinct, inverse = np.unique(chunk[members], return_inverse=True)
+                hits, losses = self._chunk_stats(row, distinct, split)
+                correct[members] = hits[inverse, 0]
+                loss_sum[members] = losses[inverse, 0]
         return EvalResult(correct, count, loss_sum)
 
-    def _sample_losses(
-        self, logits: torch.Tensor, y: torch.Tensor, owner: np.ndarray
-    ) -> np.ndarray:
-        """Per-sample losses (float64) whose sum per ``owner`` is each owner's summed loss:
-        cross-entropy's own per-sample values; for another loss, each owner's mean
-        loss times its count, on the owner's first sample (the others 0)."""
-        if self.loss is F.cross_entropy:
-            return F.cross_entropy(logits, y, reduction="none").double().cpu().numpy()
-        out = np.zeros(len(y), dtype=np.float64)
-        for o in np.unique(owner):
-            at = np.flatnonzero(owner == o)
-            sel = torch.as_tensor(at, device=logits.device)
-            out[at[0]] = float(self.loss(logits[sel], y[sel])) * len(at)
-        return out
+    @torch.no_grad()
+    def evaluate_models(
+        self, clients: np.ndarray, rows: torch.Tensor, split: str = "test"
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Correct predictions [n, K], sample counts [n] and summed losses [n, K] of
+        every model of ``rows`` [K, d] on each client's data: one pass over each
+        distinct data set for all K models (IFCA's full-data choice and its
+        own-loss test protocol)."""
+        clients = np.asarray(clients, dtype=np.int64)
+        with self.timed():
+            chunk, count = self._chunks(clients, split)
+            distinct, inverse = np.unique(chunk, return_inverse=True)
+            hits, losses = self._chunk_stats(rows, distinct, split)
+        return hits[inverse], count, losses[inverse]
+
+    def _chunks(self, clients: np.ndarray, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """The data set each client evaluates on, named by the first client holding
+        an equal one (test split; training sets are each client's own), and its size."""
+        fed = self.federation
+        off = fed.test_offsets if split == "test" else fed.train_offsets
+        count = (off[clients + 1] - off[clients]).astype(np.int64)
+        if split != "test":
+            return clients, count
+        self._follow_data_changes()
+        if self._test_chunks is None:
+            self._test_chunks = distinct_chunks(fed.x_test, fed.y_test, fed.test_offsets)
+        return self._test_chunks[clients], count
+
+    def _chunk_stats(
+        self, rows: torch.Tensor, chunks: np.ndarray, split: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Correct counts and loss sums [len(chunks), K] of the K models ``rows`` on the
+        data sets of clients ``chunks`` (:func:`~fedcluster.engine.model_eval.chunk_stats`)."""
+        fed = self.federation
+        x, y = (fed.x_test, fed.y_test) if split == "test" else (fed.x_train, fed.y_train)
+        off = fed.test_offsets if split == "test" else fed.train_offsets
+        rows = rows.to(self.device)
+        kernel = self.kernel
+        if kernel is not None:
+            logits = partial(kernel.logits, rows)
+        else:
+
+            def logits(part: torch.Tensor) -> torch.Tensor:
+                low = self.low or torch.bfloat16
+                with torch.autocast(self.device.type, dtype=low, enabled=self.low is not None):
+                    return torch.stack([self.layout.forward(row, part) for row in rows]).float()
+
+        loss = None if self.loss is F.cross_entropy else self.loss
+        return chunk_stats(logits, rows.shape[0], x, y, off, chunks, loss)
 
 
 def _check_norm_layers(model: nn.Module) -> None:

@@ -1,0 +1,152 @@
+"""K models in one pass and each distinct test set once (``engine.model_eval``)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedcluster.algorithms.base import init_row
+from fedcluster.data.federation import Federation
+from fedcluster.engine import precision
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.model_eval import distinct_chunks
+from fedcluster.engine.simulator import Simulator
+from fedcluster.models import build_model
+
+
+@pytest.fixture(scope="module")
+def shared_tests(shared_dataset) -> Federation:
+    """9 clients of 30-70 real MNIST training digits; clients c and c + 3 share a test
+    set (3 distinct sets of 25 digits, stored once per client as the presets pack them)."""
+    ds = shared_dataset("mnist")
+    rng = np.random.default_rng(0)
+    train, test = [], []
+    sets = [rng.choice(len(ds.test.y), 25, replace=False) for _ in range(3)]
+    for c in range(9):
+        ix = rng.choice(len(ds.train.y), int(rng.integers(30, 71)), replace=False)
+        train.append((ds.train.x[ix], ds.train.y[ix]))
+        test.append((ds.test.x[sets[c % 3]], ds.test.y[sets[c % 3]]))
+    return Federation.from_clients(train, test, 10)
+
+
+def _models(name: str, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    hidden = {"hidden": [64, 32]} if name == "mlp" else {}
+    model = build_model(name, (1, 28, 28), 10, **hidden)
+    return model, torch.stack([init_row(model, 0, "m", j) for j in range(k)])
+
+
+def test_distinct_chunks_name_equal_test_sets_by_their_first_holder(shared_tests):
+    fed = shared_tests
+    assert distinct_chunks(fed.x_test, fed.y_test, fed.test_offsets).tolist() == [
+        0, 1, 2, 0, 1, 2, 0, 1, 2
+    ]  # fmt: skip
+    x = fed.x_test.clone()
+    x[fed.test_offsets[4]] += 1.0  # client 4's set now differs in one pixel
+    assert distinct_chunks(x, fed.y_test, fed.test_offsets)[4] == 4
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_deduplicated_evaluation_equals_per_client_evaluation_exactly(shared_tests, name):
+    """All clients at once (each distinct test set computed once per model) gives the
+    same numbers, to the last bit, as asking each client alone."""
+    model, rows = _models(name, 3)
+    sim = Simulator(model, shared_tests, seed=0)
+    clients = np.arange(shared_tests.n_clients)
+    which = np.array([0, 1, 2, 1, 1, 0, 2, 2, 0])
+    together = sim.evaluate(clients, rows, which)
+    for c in clients:
+        alone = sim.evaluate(np.array([c]), rows, which[c : c + 1])
+        assert alone.correct[0] == together.correct[c]
+        assert alone.loss_sum[0] == together.loss_sum[c]
+        assert alone.count[0] == together.count[c]
+    hits, count, losses = sim.evaluate_models(clients, rows)
+    for j in range(3):
+        per_model = sim.evaluate(clients, rows, np.full(len(clients), j))
+        assert np.array_equal(hits[:, j], per_model.correct)
+        assert np.array_equal(losses[:, j], per_model.loss_sum)
+    assert np.array_equal(count, np.full(9, 25))
+
+
+@pytest.mark.parametrize("name", ["mlp", "mclr"])
+def test_k_model_losses_through_the_kernel_equal_each_models_own_loss(shared_tests, name):
+    """IFCA's full-data choice (every client's mean loss under each of K models, one
+    pass with the first layers' products in one) equals the loss of each model's own
+    forward pass to float rounding: a logit is a sum of f = 784 products, so the
+    relative error of float32 arithmetic is at most about eps·sqrt(f) in the
+    typical case; the test allows 4·eps·sqrt(f) on the loss."""
+    model, rows = _models(name, 4)
+    sim = Simulator(model, shared_tests, seed=0)
+    assert sim.kernel is not None
+    layout = ParamLayout(model)
+    clients = np.arange(shared_tests.n_clients)
+    hits, count, losses = sim.evaluate_models(clients, rows, split="train")
+    tol = 4 * torch.finfo(torch.float32).eps * 784**0.5
+    expected = np.zeros((len(clients), 4))
+    for c in clients:
+        sl = shared_tests.client_slice(int(c))
+        x, y = shared_tests.x_train[sl], shared_tests.y_train[sl]
+        assert count[c] == len(y)
+        for j in range(4):
+            logits = layout.forward(rows[j], x)
+            expected[c, j] = float(F.cross_entropy(logits, y, reduction="sum"))
+            assert hits[c, j] == int((logits.argmax(1) == y).sum())
+    np.testing.assert_allclose(losses, expected, rtol=tol, atol=0)
+    assert np.array_equal(losses.argmin(axis=1), expected.argmin(axis=1))
+
+
+# ----------------------------------------------------------------- bf16 precision
+def test_cpu_bf16_capability_is_read_from_the_cpu_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+    assert not precision.cpu_has_bf16(info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert precision.cpu_has_bf16(info)
+    assert not precision.cpu_has_bf16(tmp_path / "absent")
+
+
+def test_bf16_without_support_runs_fp32_with_one_warning(shared_tests, monkeypatch, caplog):
+    monkeypatch.setattr(precision, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(precision, "_warned", set())
+    model, rows = _models("mlp", 2)
+    clients = np.arange(shared_tests.n_clients)
+    cfg = LocalTraining(lr=0.1, batch_size=16, epochs=1)
+    with caplog.at_level(logging.WARNING, logger="fedcluster.engine.precision"):
+        sims = [Simulator(model, shared_tests, seed=0, precision="bf16") for _ in range(2)]
+    assert len(caplog.records) == 1 and "running fp32" in caplog.records[0].getMessage()
+    fp32 = Simulator(model, shared_tests, seed=0)
+    assert sims[0].low is None and sims[0].kernel.low is None
+    assert torch.equal(
+        sims[0].train(clients, rows[0], cfg, 1).rows, fp32.train(clients, rows[0], cfg, 1).rows
+    )
+
+
+@pytest.mark.parametrize("steps", ["mini_batch", "full_batch"])
+def test_bf16_products_train_and_evaluate_close_to_fp32(shared_tests, monkeypatch, steps):
+    """bf16 operands (8 significant bits, relative rounding error 2⁻⁹) with fp32
+    accumulation and fp32 master rows: a product's result carries up to three
+    roundings (two operands, the output), about 3·2⁻⁹ relative, and a weight
+    gradient passes through three products (forward, input gradient, weight
+    gradient), so the training's movement of the rows is off by at most about
+    9·2⁻⁹ < 2⁻⁴ of itself; the evaluation's losses (two products) within 4·2⁻⁸."""
+    monkeypatch.setattr(precision, "bf16_supported", lambda device: True)
+    model, rows = _models("mlp", 2)
+    clients = np.arange(shared_tests.n_clients)
+    cfg = (
+        LocalTraining(lr=0.1, batch_size=16, epochs=1)
+        if steps == "mini_batch"
+        else LocalTraining(lr=0.1, batch_size=1000, steps=5)
+    )
+    low = Simulator(model, shared_tests, seed=0, precision="bf16")
+    ref = Simulator(model, shared_tests, seed=0)
+    assert low.kernel.low is torch.bfloat16
+    a, b = low.train(clients, rows[0], cfg, 1).rows, ref.train(clients, rows[0], cfg, 1).rows
+    moved = float((b - rows[0]).abs().max())
+    assert 0 < float((a - b).abs().max()) <= 2**-4 * moved
+    la = low.evaluate_models(clients, rows)[2]
+    lb = ref.evaluate_models(clients, rows)[2]
+    np.testing.assert_allclose(la, lb, rtol=4 * 2**-8)
