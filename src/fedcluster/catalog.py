@@ -37,6 +37,8 @@ ALGORITHMS = {
     "arXiv:2005.01026, Alg. 1)",
     "flhc": "FL+HC: FedAvg, then one hierarchical clustering of local updates (Briggs et al., "
     "IJCNN 2020, Sec. III)",
+    "pacfl": "PACFL: principal angles between client data subspaces, one-shot hierarchical "
+    "clustering before training (Vahidian et al., AAAI 2023, Alg. 1, eq. 2)",
 }
 
 DATASETS = {

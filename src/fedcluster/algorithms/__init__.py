@@ -11,6 +11,7 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     ifca,
     jgl,
     local,
+    pacfl,
 )
 from fedcluster.algorithms.base import (
     ALGORITHMS,
