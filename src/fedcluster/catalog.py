@@ -39,6 +39,8 @@ ALGORITHMS = {
     "IJCNN 2020, Sec. III)",
     "pacfl": "PACFL: principal angles between client data subspaces, one-shot hierarchical "
     "clustering before training (Vahidian et al., AAAI 2023, Alg. 1, eq. 2)",
+    "wecfl": "WeCFL: k-means over client models with data-size weights, alternating with "
+    "per-cluster aggregation (Ma et al., arXiv:2202.06187, Alg. 1)",
 }
 
 DATASETS = {

@@ -12,6 +12,7 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     jgl,
     local,
     pacfl,
+    wecfl,
 )
 from fedcluster.algorithms.base import (
     ALGORITHMS,
