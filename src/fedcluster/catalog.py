@@ -41,6 +41,8 @@ ALGORITHMS = {
     "clustering before training (Vahidian et al., AAAI 2023, Alg. 1, eq. 2)",
     "wecfl": "WeCFL: k-means over client models with data-size weights, alternating with "
     "per-cluster aggregation (Ma et al., arXiv:2202.06187, Alg. 1)",
+    "fedem": "FedEM: federated EM over M shared components with per-client mixture weights "
+    "(Marfoq et al., NeurIPS 2021, Alg. 1, eqs. 8-10)",
 }
 
 DATASETS = {

@@ -29,6 +29,7 @@ SMALL = {
     "cfl": {"warmup_rounds": 1},
     "fesem": {"n_clusters": 2},
     "wecfl": {"n_clusters": 2},
+    "fedem": {"n_components": 2},
 }
 SMALL_IFCA = {"name": "ifca", "params": SMALL["ifca"]}
 CONFIG = {

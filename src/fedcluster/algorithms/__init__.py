@@ -5,6 +5,7 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     cflgt,
     dcfl,
     fedavg,
+    fedem,
     fedgroup,
     fesem,
     flhc,
