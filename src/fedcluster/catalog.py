@@ -43,6 +43,8 @@ ALGORITHMS = {
     "per-cluster aggregation (Ma et al., arXiv:2202.06187, Alg. 1)",
     "fedem": "FedEM: federated EM over M shared components with per-client mixture weights "
     "(Marfoq et al., NeurIPS 2021, Alg. 1, eqs. 8-10)",
+    "fedsoft": "FedSoft: importance weights from the best-fitting cluster model per sample, "
+    "proximal local updates toward the cluster models (Ruan & Joe-Wong, AAAI 2022, Alg. 1)",
 }
 
 DATASETS = {

@@ -30,6 +30,7 @@ SMALL = {
     "fesem": {"n_clusters": 2},
     "wecfl": {"n_clusters": 2},
     "fedem": {"n_components": 2},
+    "fedsoft": {"n_clusters": 2},
 }
 SMALL_IFCA = {"name": "ifca", "params": SMALL["ifca"]}
 CONFIG = {

@@ -7,6 +7,7 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     fedavg,
     fedem,
     fedgroup,
+    fedsoft,
     fesem,
     flhc,
     ifca,
