@@ -42,6 +42,14 @@ ALGORITHMS = {
     "arXiv:2005.01026, Alg. 1)",
     "flhc": "FL+HC: FedAvg, then one hierarchical clustering of local updates (Briggs et al., "
     "IJCNN 2020, Sec. III)",
+    "pacfl": "PACFL: principal angles between client data subspaces, one-shot hierarchical "
+    "clustering before training (Vahidian et al., AAAI 2023, Alg. 1, eq. 2)",
+    "wecfl": "WeCFL: k-means over client models with data-size weights, alternating with "
+    "per-cluster aggregation (Ma et al., arXiv:2202.06187, Alg. 1)",
+    "fedem": "FedEM: federated EM over M shared components with per-client mixture weights "
+    "(Marfoq et al., NeurIPS 2021, Alg. 1, eqs. 8-10)",
+    "fedsoft": "FedSoft: importance weights from the best-fitting cluster model per sample, "
+    "proximal local updates toward the cluster models (Ruan & Joe-Wong, AAAI 2022, Alg. 1)",
 }
 
 DATASETS = {

@@ -28,6 +28,9 @@ SMALL = {
     "flhc": {"pretrain_rounds": 1},
     "cfl": {"warmup_rounds": 1},
     "fesem": {"n_clusters": 2},
+    "wecfl": {"n_clusters": 2},
+    "fedem": {"n_components": 2},
+    "fedsoft": {"n_clusters": 2},
 }
 SMALL_IFCA = {"name": "ifca", "params": SMALL["ifca"]}
 CONFIG = {

@@ -5,12 +5,16 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     cflgt,
     dcfl,
     fedavg,
+    fedem,
     fedgroup,
+    fedsoft,
     fesem,
     flhc,
     ifca,
     jgl,
     local,
+    pacfl,
+    wecfl,
 )
 from fedcluster.algorithms.base import (
     ALGORITHMS,

@@ -203,12 +203,21 @@ class OneShotClustering(Algorithm):
         if rnd <= self.params.pretrain_rounds:
             return self.fedavg.run_round(state, rnd, selected)
         if not self.clustered(state):
-            labels, loss = self.cluster_clients(state, rnd)
-            if (labels >= 0).any():
-                state.assign = labels
-                state.models = state.global_model.unsqueeze(0).repeat(int(labels.max()) + 1, 1)
-                state.excluded[self.ctx.rejected] = True
-            return loss
+            return self.clustering_round(state, rnd)
+        return self.clustered_round(state, rnd, selected)
+
+    def clustering_round(self, state: State, rnd: int) -> float:
+        """Cluster the reachable clients once; every cluster model starts as the global
+        model. Returns the round's loss (NaN when no client trained)."""
+        labels, loss = self.cluster_clients(state, rnd)
+        if (labels >= 0).any():
+            state.assign = labels
+            state.models = state.global_model.unsqueeze(0).repeat(int(labels.max()) + 1, 1)
+            state.excluded[self.ctx.rejected] = True
+        return loss
+
+    def clustered_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+        """Place the participants that are newcomers, then one FedAvg round per cluster."""
         participants = self.participants(state, rnd, selected)
         assign = state.assign
         newcomers = participants[(assign[participants] < 0) & ~state.excluded[participants]]

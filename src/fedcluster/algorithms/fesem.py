@@ -161,7 +161,7 @@ class FeSEM(Algorithm):
         choice = to_centres.argmin(axis=1)
         weights = sizes if p.weighting == "samples" else np.ones(m)
         old = state.centres
-        state.centres = cluster_average(local, choice, state.centres, weights, ctx.aggregate)
+        state.centres, choice = self.m_step(local, choice, old, weights)
         if p.repair is not None:  # FeSEM keeps no Δw: the repair's is zeros and dropped
             starts = rows[owner[selected]]  # the model each client trained from
             fixed = apply_repair(
@@ -181,6 +181,13 @@ class FeSEM(Algorithm):
             state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
         state.assign[selected] = choice
         return weighted_loss(ex.loss, sizes)
+
+    def m_step(
+        self, local: torch.Tensor, choice: np.ndarray, centres: torch.Tensor, weights: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """M-step: every centre with members becomes their (weighted) average; returns
+        the centres and the members' clusters (unchanged here)."""
+        return cluster_average(local, choice, centres, weights, self.ctx.aggregate), choice
 
     def diagnostics(self, state: State) -> dict[str, float]:
         """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
