@@ -27,7 +27,9 @@ DEFAULT_PRESET = "quickstart"
 MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typos
 
 DriftKind = Literal["rotate", "swap_labels", "redistribute"]
-AggregationRule = Literal["mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean"]
+AggregationRule = Literal[
+    "mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean", "multi_krum"
+]
 """The aggregation rules of :mod:`fedcluster.engine.robust` (its ``Rule``)."""
 DEFAULT_NORM_FACTOR = 100.0
 """Reject an update whose norm exceeds this times the round's median (only absurd ones)."""
@@ -161,7 +163,7 @@ class DriftConfig(_Strict):
         return self
 
 
-FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip"]
+FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip", "label_flip", "alie"]
 
 
 class FaultyConfig(_Strict):
@@ -177,6 +179,13 @@ class FaultyConfig(_Strict):
     )
     flip_factor: float = Field(
         1.0, gt=0.0, description="sign_flip: the update multiplied by minus this"
+    )
+    alie_z: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="alie: attackers send the honest updates' mean minus this many standard "
+        "deviations (None: Baruch et al.'s z for the clients asked and the attackers among them)",
     )
 
 
@@ -264,6 +273,12 @@ class AggregationConfig(_Strict):
         gt=0.0,
         le=1.0,
         description="clipped_mean, aligned_mean: the norm quantile updates are clipped to",
+    )
+    byzantine: float = Field(
+        0.25,
+        ge=0.0,
+        lt=0.5,
+        description="multi_krum: the share f/n of Byzantine updates assumed (n − f are averaged)",
     )
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 
@@ -65,7 +66,7 @@ from fedcluster.config import AggregationRule
 from fedcluster.engine.flat import weighted_average
 
 Rule = AggregationRule
-RULES: tuple[str, ...] = ("mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean")
+RULES: tuple[str, ...] = get_args(AggregationRule)
 
 
 def _start_rows(start: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -177,6 +178,40 @@ def aligned_mean(
     return weighted_average(base[kept] + clipped[kept], weights[kept])
 
 
+def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum's score of each of ``updates`` [n, d] against ``f`` Byzantine ones (float64, [n]).
+
+    s(i) = Σ_{i→j} ‖V_i − V_j‖², the sum over the n − f − 2 updates closest to
+    V_i (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine learning with
+    adversaries: Byzantine tolerant gradient descent", NeurIPS 2017, Sec. 4);
+    at least one neighbour where n − f − 2 < 1 (the paper needs n > 2f + 2).
+    """
+    n = updates.shape[0]
+    u = updates.double()
+    squares = torch.cdist(u, u).square()
+    neighbours = min(max(n - f - 2, 1), n - 1)
+    closest = squares.sort(dim=1).values[:, 1 : neighbours + 1]  # column 0: itself
+    return closest.sum(dim=1)
+
+
+def multi_krum(
+    start: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, byzantine: float = 0.25
+) -> torch.Tensor:
+    """Multi-Krum (Blanchard et al., NeurIPS 2017, Sec. 5): the weighted mean of the
+    m = n − f rows whose updates have the lowest :func:`krum_scores`, f = ⌊``byzantine``·n⌋.
+
+    Ties keep the earlier row; with fewer than three rows (no neighbour to
+    compare with besides the other) the weighted mean of all.
+    """
+    n = rows.shape[0]
+    f = int(byzantine * n)
+    if n < 3 or f == 0:
+        return weighted_average(rows, weights)
+    scores = krum_scores(rows - _start_rows(start, rows), f)
+    chosen = torch.sort(scores, stable=True).indices[: n - f]
+    return weighted_average(rows[chosen], weights[chosen])
+
+
 @dataclass(frozen=True)
 class Aggregator:
     """One aggregation rule with its parameters; called by every algorithm that averages models.
@@ -188,6 +223,7 @@ class Aggregator:
     rule: Rule = "mean"
     trim: float = 0.1
     clip_quantile: float = 0.25
+    byzantine: float = 0.25
     round_norms: Callable[[], Sequence[float]] | None = field(default=None, compare=False)
     """The norms of every update accepted in the current round (the channel's
     record): the clipping rules take their scale τ from these."""
@@ -219,6 +255,8 @@ def aggregate(
         return coordinate_median(start, rows, w)
     if how.rule == "trimmed_mean":
         return trimmed_mean(start, rows, w, how.trim)
+    if how.rule == "multi_krum":
+        return multi_krum(start, rows, w, how.byzantine)
     reference = None if how.round_norms is None else how.round_norms()
     clip = aligned_mean if how.rule == "aligned_mean" else clipped_mean
     return clip(start, rows, w, how.clip_quantile, reference)
