@@ -42,7 +42,7 @@ ALGORITHMS = {a: RELIABILITY_ALGORITHMS[a] for a in ("fedavg", "ifca", "jgl", "d
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--settings", default=",".join(SETTINGS))
-    p.add_argument("--rules", default="mean,aligned_mean")
+    p.add_argument("--rules", default="mean,aligned_mean,guarded_mean")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.set_defaults(seeds=3, rounds=15, out="runs/attacks")
     run_table(p, SETTINGS, RULES, ALGORITHMS)

@@ -27,7 +27,7 @@ from typing import get_args
 import numpy as np
 
 from benchmarks.common import parser, run_setting, save_json
-from fedcluster.config import AggregationRule
+from fedcluster.config import AggregationConfig, AggregationRule
 from fedcluster.report import format_table
 
 # name -> scenario.faulty section (share of the 24 clients and their faults)
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--rules", default="mean,clipped_mean,aligned_mean")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    p.set_defaults(seeds=3, rounds=10, out="runs/reliability")
+    p.set_defaults(seeds=3, rounds=10, out="runs/reliability", clip_quantile=0.25)
     run_table(p, SETTINGS, RULES, ALGORITHMS)
 
 
@@ -98,7 +98,10 @@ def run_table(
     the chosen algorithms in one run) and print :func:`table`."""
     p.add_argument("--trim", type=float, default=0.25, help="trimmed_mean: share cut per side")
     p.add_argument(
-        "--clip-quantile", type=float, default=0.25, help="clipped_mean: norm quantile clipped to"
+        "--clip-quantile",
+        type=float,
+        default=AggregationConfig().clip_quantile,
+        help="clipped_mean, aligned_mean, guarded_mean: norm quantile clipped to",
     )
     p.add_argument(
         "--byzantine", type=float, default=0.25, help="multi_krum: share of updates left out"

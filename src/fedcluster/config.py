@@ -28,7 +28,7 @@ MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typ
 
 DriftKind = Literal["rotate", "swap_labels", "redistribute"]
 AggregationRule = Literal[
-    "mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean", "multi_krum"
+    "mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean", "multi_krum", "guarded_mean"
 ]
 """The aggregation rules of :mod:`fedcluster.engine.robust` (its ``Rule``)."""
 DEFAULT_NORM_FACTOR = 100.0
@@ -269,16 +269,17 @@ class AggregationConfig(_Strict):
         0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"
     )
     clip_quantile: float = Field(
-        0.25,
+        0.5,
         gt=0.0,
         le=1.0,
-        description="clipped_mean, aligned_mean: the norm quantile updates are clipped to",
+        description="clipped_mean, aligned_mean, guarded_mean: the norm quantile updates are "
+        "clipped to",
     )
     byzantine: float = Field(
         0.25,
         ge=0.0,
         lt=0.5,
-        description="multi_krum: the share f/n of Byzantine updates assumed (n − f are averaged)",
+        description="multi_krum, guarded_mean: the share f/n of updates the server may leave out",
     )
 
 

@@ -117,7 +117,7 @@ def test_a_scaled_minority_cannot_move_the_robust_average():
 
 def test_config_section_and_unknown_rule():
     cfg = resolve_config(None, "quickstart", ["aggregation.rule=clipped_mean"], {})
-    assert Aggregator(**cfg.aggregation.model_dump()) == Aggregator("clipped_mean", 0.1, 0.25)
+    assert Aggregator(**cfg.aggregation.model_dump()) == Aggregator("clipped_mean", 0.1, 0.5)
     default = resolve_config(None, "quickstart", [], {}).aggregation
     assert Aggregator(**default.model_dump()) == Aggregator()
     with pytest.raises(ConfigError, match="aggregation.rule"):
@@ -180,17 +180,17 @@ def test_the_quartile_scale_survives_a_majority_of_huge_updates():
 
 def test_clip_scale_comes_from_the_rounds_norms_not_the_clusters():
     """A boosted client alone in its cluster: its own norm is no scale; the round's
-    quartile (the channel's record of every accepted update) clips it to an honest one."""
+    median (the channel's record of every accepted update) clips it to an honest one."""
     start = torch.zeros(3, dtype=torch.float64)
     boosted = torch.tensor([[30.0, 40.0, 0.0]], dtype=torch.float64)  # norm 50
     round_norms = [5.0, 5.2, 5.1, 4.9, 50.0]
     alone = aggregate(start, boosted, None, Aggregator("clipped_mean"))
-    assert torch.equal(alone, boosted[0])  # its own quartile is itself: nothing clipped
-    tau = float(np.quantile(round_norms, 0.25, method="lower"))  # 5.0
+    assert torch.equal(alone, boosted[0])  # its own median is itself: nothing clipped
+    tau = float(np.quantile(round_norms, 0.5, method="lower"))  # 5.1
     scaled = aggregate(
         start, boosted, None, Aggregator("clipped_mean", round_norms=lambda: round_norms)
     )
-    assert torch.allclose(scaled, boosted[0] * tau / 50.0, rtol=1e-12)
+    assert torch.allclose(scaled, boosted[0] * (tau / 50.0), rtol=1e-12)
 
 
 def test_aligned_mean_drops_sign_flipped_updates():
