@@ -18,13 +18,16 @@ machine's load does not change the table, only how long it takes.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
 from benchmarks.common import parser, run_setting, save_json
+from fedcluster.config import AggregationConfig, AggregationRule
 from fedcluster.report import format_table
 
 # name -> scenario.faulty section (share of the 24 clients and their faults)
@@ -49,10 +52,10 @@ def baseline(share: float) -> str:
     return f"none-{round(100 * share)}"
 
 
-BASELINES: dict[str, dict] = {
-    baseline(share): {"share": share, "kinds": ["scaled"], "scaled_factor": 1.0}
-    for share in sorted({s["share"] for s in SETTINGS.values()})
-}
+def fault_free(share: float) -> dict:
+    """The scenario.faulty section of :func:`baseline`'s run: the same clients, honest ×1."""
+    return {"share": share, "kinds": ["scaled"], "scaled_factor": 1.0}
+
 
 ALGORITHMS: dict[str, str] = {
     "fedavg": "{name: fedavg}",
@@ -63,7 +66,7 @@ ALGORITHMS: dict[str, str] = {
     "fedgroup": "{name: fedgroup, params: {n_groups: 4}}",
 }
 
-RULES = ("mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean")
+RULES = get_args(AggregationRule)
 
 
 def honest_accuracies(run: Path) -> dict[str, float]:
@@ -81,15 +84,36 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--rules", default="mean,clipped_mean,aligned_mean")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.set_defaults(seeds=3, rounds=10, out="runs/reliability", clip_quantile=0.25)
+    run_table(p, SETTINGS, RULES, ALGORITHMS)
+
+
+def run_table(
+    p: argparse.ArgumentParser,
+    known_settings: dict[str, dict],
+    known_rules: tuple[str, ...],
+    known_algorithms: dict[str, str],
+) -> None:
+    """Parse ``p``'s arguments, run every (seed, setting, rule) not yet in results.json (all
+    the chosen algorithms in one run) and print :func:`table`."""
     p.add_argument("--trim", type=float, default=0.25, help="trimmed_mean: share cut per side")
     p.add_argument(
-        "--clip-quantile", type=float, default=0.25, help="clipped_mean: norm quantile clipped to"
+        "--clip-quantile",
+        type=float,
+        default=AggregationConfig().clip_quantile,
+        help="clipped_mean, aligned_mean, guarded_mean: norm quantile clipped to",
     )
-    p.set_defaults(seeds=3, rounds=10, out="runs/reliability")
+    p.add_argument(
+        "--byzantine", type=float, default=0.25, help="multi_krum: share of updates left out"
+    )
     p.add_argument("--report", action="store_true", help="print the table of results.json only")
     args = p.parse_args()
     settings, rules, algs = (s.split(",") for s in (args.settings, args.rules, args.algorithms))
-    for given, known in ((settings, SETTINGS), (rules, RULES), (algs, ALGORITHMS)):
+    for given, known in (
+        (settings, known_settings),
+        (rules, known_rules),
+        (algs, known_algorithms),
+    ):
         unknown = sorted(set(given) - set(known))
         if unknown:
             p.error(f"unknown {unknown}; choose from {list(known)}")
@@ -99,10 +123,10 @@ def main() -> None:
     # outermost, so a benchmark stopped early holds whole tables for its first seeds
     # (and resumes from them)
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    algorithms = "algorithms=[" + ", ".join(ALGORITHMS[a] for a in algs) + "]"
-    base = sorted({baseline(SETTINGS[s]["share"]) for s in settings})
-    runs = [(b, "mean", BASELINES[b]) for b in base]
-    runs += [(s, rule, SETTINGS[s]) for s in settings for rule in rules]
+    algorithms = "algorithms=[" + ", ".join(known_algorithms[a] for a in algs) + "]"
+    shares = sorted({known_settings[s]["share"] for s in settings})
+    runs = [(baseline(share), "mean", fault_free(share)) for share in shares]
+    runs += [(s, rule, known_settings[s]) for s in settings for rule in rules]
     for seed in [] if args.report else range(args.first_seed, args.first_seed + args.seeds):
         for setting, rule, faulty in runs:
             key = f"{setting}/{rule}"
@@ -113,7 +137,7 @@ def main() -> None:
                 algorithms,
                 f"scenario.faulty={json.dumps(faulty)}",
                 f"aggregation={{rule: {rule}, trim: {args.trim}, "
-                f"clip_quantile: {args.clip_quantile}}}",
+                f"clip_quantile: {args.clip_quantile}, byzantine: {args.byzantine}}}",
                 "checkpoint_every=1000",
                 "eval_every=1000",  # the final round only: the table reports nothing else
             ]
@@ -124,10 +148,12 @@ def main() -> None:
                 done.setdefault(alg, {})[str(seed)] = acc
             save_json(results_path, results)
             print(f"seed {seed} {key}", honest, flush=True)
-    print(format_table(table(results, settings, rules, algs)))
+    print(format_table(table(results, {s: known_settings[s] for s in settings}, rules, algs)))
 
 
-def table(results: dict, settings: list[str], rules: list[str], algs: list[str]) -> list[dict]:
+def table(
+    results: dict, settings: dict[str, dict], rules: list[str], algs: list[str]
+) -> list[dict]:
     """Rows (algorithm, setting): the sound clients' accuracy in % (mean over seeds) per rule.
 
     ``fault-free`` is the plain average with the setting's faulty clients sending
@@ -141,7 +167,7 @@ def table(results: dict, settings: list[str], rules: list[str], algs: list[str])
     rows = []
     for alg in algs:
         for setting in settings:
-            base = f"{baseline(SETTINGS[setting]['share'])}/mean"
+            base = f"{baseline(settings[setting]['share'])}/mean"
             # only seeds with a fault-free baseline: every cell of a row averages the same seeds
             seeds = set(results.get(base, {}).get(alg, {}))
             clean, _ = mean(base, alg, seeds)

@@ -414,3 +414,27 @@ def test_honest_accuracy_pools_only_the_sound_clients():
     sound = np.array([True, False, False, True, False])
     assert honest_accuracy(result, sound) == {"honest_accuracy": (8 + 30) / (10 + 40)}
     assert honest_accuracy(result, np.ones(5, dtype=bool)) == {}  # no faulty client: no row
+
+
+def test_label_flippers_train_on_their_own_flipped_labels(rotated, tmp_path, monkeypatch):
+    """``label_flip``: the job's simulator trains the flippers on y → 9 − y, the others on
+    their labels; the federation passed in is left as it was (the next job's data)."""
+    original = rotated.y_train.clone()
+    seen = []
+    run_computation = Simulator.run
+
+    def spy(sim, computation, clients, request):
+        seen.append(sim.federation.y_train.clone())
+        return run_computation(sim, computation, clients, request)
+
+    monkeypatch.setattr(Simulator, "run", spy)
+    cfg = config([{"name": "fedavg"}], 1, {"faulty": {"share": 0.25, "kinds": ["label_flip"]}})
+    Experiment(cfg, federation=rotated).run(tmp_path, progress=False)
+    flippers = Scenario(cfg.scenario, rotated.n_clients, 0, 1).label_flippers()
+    assert len(flippers) == 5 and torch.equal(rotated.y_train, original)
+    want = original.clone()
+    for c in flippers:
+        want[rotated.client_slice(int(c))] = 9 - original[rotated.client_slice(int(c))]
+    assert seen and all(torch.equal(y, want) for y in seen)
+    faulty = {(r["client"], r["detail"]) for r in rows(tmp_path / "events.csv")}
+    assert faulty == {(str(c), "label_flip") for c in flippers}

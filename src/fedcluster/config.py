@@ -28,7 +28,9 @@ DEFAULT_PRESET = "quickstart"
 MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typos
 
 DriftKind = Literal["rotate", "swap_labels", "redistribute"]
-AggregationRule = Literal["mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean"]
+AggregationRule = Literal[
+    "mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean", "multi_krum", "guarded_mean"
+]
 """The aggregation rules of :mod:`fedcluster.engine.robust` (its ``Rule``)."""
 DEFAULT_NORM_FACTOR = 100.0
 """Reject an update whose norm exceeds this times the round's median (only absurd ones)."""
@@ -213,7 +215,7 @@ class DriftConfig(_Strict):
         return self
 
 
-FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip"]
+FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip", "label_flip", "alie"]
 
 
 class FaultyConfig(_Strict):
@@ -229,6 +231,13 @@ class FaultyConfig(_Strict):
     )
     flip_factor: float = Field(
         1.0, gt=0.0, description="sign_flip: the update multiplied by minus this"
+    )
+    alie_z: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="alie: attackers send the honest updates' mean minus this many standard "
+        "deviations (None: Baruch et al.'s z for the clients asked and the attackers among them)",
     )
 
 
@@ -312,10 +321,17 @@ class AggregationConfig(_Strict):
         0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"
     )
     clip_quantile: float = Field(
-        0.25,
+        0.5,
         gt=0.0,
         le=1.0,
-        description="clipped_mean, aligned_mean: the norm quantile updates are clipped to",
+        description="clipped_mean, aligned_mean, guarded_mean: the norm quantile updates are "
+        "clipped to",
+    )
+    byzantine: float = Field(
+        0.25,
+        ge=0.0,
+        lt=0.5,
+        description="multi_krum, guarded_mean: the share f/n of updates the server may leave out",
     )
 
 

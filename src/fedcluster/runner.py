@@ -61,7 +61,7 @@ from fedcluster.rundir import (
     load_checkpoint,
     run_directory_callbacks,
 )
-from fedcluster.scenario import Scenario
+from fedcluster.scenario import Scenario, flip_labels
 
 log = logging.getLogger("fedcluster")
 
@@ -304,6 +304,9 @@ class Job:
         self.scenario, self.pool = dynamics
         if self.scenario.has_drift and isinstance(federation, Federation):
             federation = federation.clone()  # each job drifts its own copy of the seed's data
+        flippers = self.scenario.label_flippers()
+        if len(flippers) and isinstance(federation, Federation):
+            federation = flip_labels(federation, flippers)  # where they train (Flower: the node)
         self.backend = experiment.backend_factory.backend(model, federation, seed)
         self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
         ctx = Context.for_backend(

@@ -38,7 +38,13 @@ Definitions (round r, clients 0..n−1):
 - *faulty*: ``round(share·n)`` random clients, each with one fault from
   ``kinds`` (dealt in turn), corrupt every model they upload
   (:class:`FaultyUploads`, an upload transform that runs after any other,
-  e.g. after local differential privacy).
+  e.g. after local differential privacy), or, for ``label_flip``, the data
+  they train on (:func:`flip_labels`: y → C−1−y on their own training
+  samples, the label-flipping data-poisoning attack of Biggio et al., ICML
+  2012, and Fung et al.'s FoolsGold evaluation, RAID 2020). ``alie`` clients
+  collude: each sends the honest updates' coordinate-wise mean minus z
+  standard deviations ("A little is enough", Baruch, Baruch, Goldberg,
+  NeurIPS 2019), an update inside every norm bound.
 
 All randomness derives from (seed, purpose, round, ...) (DESIGN principle 4),
 so a run and its resumed continuation see the same scenario.
@@ -46,13 +52,21 @@ so a run and its resumed continuation see the same scenario.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from statistics import NormalDist
 from typing import get_args
 
 import numpy as np
 import torch
 
-from fedcluster.config import DriftConfig, FaultKind, JoinsConfig, ScenarioConfig
+from fedcluster.config import (
+    DriftConfig,
+    FaultKind,
+    JoinsConfig,
+    ScenarioConfig,
+)
 from fedcluster.data.drift import DriftEvent
+from fedcluster.data.federation import Federation
 from fedcluster.errors import ConfigError
 from fedcluster.rng import derive_seed, numpy_rng
 
@@ -124,12 +138,18 @@ class Scenario:
         """``(client, fault)`` of every faulty client."""
         return [(int(c), FAULTS[self.fault[c]]) for c in np.flatnonzero(self.fault >= 0)]
 
+    def label_flippers(self) -> np.ndarray:
+        """The clients whose fault is ``label_flip`` (they train on flipped labels)."""
+        return np.flatnonzero(self.fault == FAULTS.index("label_flip"))
+
     def upload_transform(self) -> FaultyUploads | None:
         """The faulty clients' upload transform, or ``None`` without faulty clients."""
         if not (self.fault >= 0).any():
             return None
         faulty = self.config.faulty
-        return FaultyUploads(self.fault, faulty.scale, faulty.scaled_factor, faulty.flip_factor)
+        return FaultyUploads(
+            self.fault, faulty.scale, faulty.scaled_factor, faulty.flip_factor, faulty.alie_z
+        )
 
     def _drift_events(self, index: int, entry: DriftConfig, rounds: int) -> list[DriftEvent]:
         if entry.rounds:
@@ -192,6 +212,32 @@ def join_rounds(joins: JoinsConfig, n_clients: int) -> np.ndarray:
     return out
 
 
+def flip_labels(federation: Federation, clients: np.ndarray) -> Federation:
+    """``federation`` with the training labels of ``clients`` mapped y → C−1−y.
+
+    Only the label tensor is copied (the samples are shared): the attackers'
+    own training data is poisoned where they train, as a malicious node would
+    relabel its own data; test labels stay true (their honest accuracy is not
+    reported anyway).
+    """
+    y = federation.y_train.clone()
+    for c in clients:
+        part = federation.client_slice(int(c))
+        y[part] = federation.n_classes - 1 - y[part]
+    return replace(federation, y_train=y)
+
+
+def alie_z(n: int, attackers: int) -> float:
+    """Baruch et al.'s z_max for ``n`` workers of which ``attackers`` collude (NeurIPS 2019).
+
+    s = ⌊n/2 + 1⌋ − m workers must be swayed; z_max = Φ⁻¹((n − s)/n), the
+    largest deviation that stays closer to the mean than s honest workers. With
+    a majority of attackers (s ≤ 0) s is taken as 1.
+    """
+    s = max(n // 2 + 1 - attackers, 1)
+    return NormalDist().inv_cdf((n - s) / n)
+
+
 def faulty_clients(share: float, kinds: list[str], n_clients: int, seed: int) -> np.ndarray:
     """Per client, the index in :data:`FAULTS` of its fault, or −1 for a sound client."""
     fault = np.full(n_clients, -1, dtype=np.int64)
@@ -209,7 +255,13 @@ class FaultyUploads:
     ``scaled``: the update multiplied by ``scaled_factor`` (finite and, at
     e.g. 10, under the server's norm bound: a boosted update); ``sign_flip``:
     the update multiplied by −``flip_factor`` (the sign-flipping attack of
-    the Byzantine-robustness literature). Sound clients' rows pass unchanged.
+    the Byzantine-robustness literature); ``alie``: start + μ − z·σ, μ and σ
+    the coordinate-wise mean and standard deviation of the sound clients'
+    updates among those asked (all updates where fewer than two are sound),
+    z = ``alie_z`` or :func:`alie_z` of the clients asked and the ``alie``
+    clients among them (Baruch et al., NeurIPS 2019); ``label_flip`` rows pass
+    unchanged (the attack is in the data, :func:`flip_labels`). Sound clients'
+    rows pass unchanged.
     """
 
     def __init__(
@@ -218,10 +270,12 @@ class FaultyUploads:
         scale: float,
         scaled_factor: float = 10.0,
         flip_factor: float = 1.0,
+        z: float | None = None,
     ) -> None:
         self.fault = fault
         self.scale = scale
         self.factors = {"huge": scale, "scaled": scaled_factor, "sign_flip": -flip_factor}
+        self.z = z
 
     def __call__(
         self, clients: np.ndarray, start: torch.Tensor, trained: torch.Tensor, rnd: int
@@ -235,4 +289,12 @@ class FaultyUploads:
         for kind, factor in self.factors.items():
             hit = torch.as_tensor(fault == FAULTS.index(kind))
             out[hit] = start[hit] + factor * (trained[hit] - start[hit])
+        colluding = torch.as_tensor(fault == FAULTS.index("alie"))
+        if colluding.any():
+            sound = torch.as_tensor(fault < 0)
+            known = sound if int(sound.sum()) >= 2 else torch.ones_like(sound)
+            updates = (trained[known] - start[known]).double()
+            z = self.z if self.z is not None else alie_z(len(fault), int(colluding.sum()))
+            sent = updates.mean(dim=0) - z * updates.std(dim=0)
+            out[colluding] = start[colluding] + sent.to(trained.dtype)
         return out

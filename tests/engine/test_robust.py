@@ -23,9 +23,11 @@ from fedcluster.engine.robust import (
     aligned_mean,
     clipped_mean,
     coordinate_median,
+    krum_scores,
+    multi_krum,
     trimmed_mean,
 )
-from fedcluster.scenario import FAULTS, FaultyUploads
+from fedcluster.scenario import FAULTS, FaultyUploads, alie_z, flip_labels
 from tests.algorithms.test_rejection import PARAMS
 from tests.helpers import make_context, rotated_digits
 
@@ -115,7 +117,7 @@ def test_a_scaled_minority_cannot_move_the_robust_average():
 
 def test_config_section_and_unknown_rule():
     cfg = resolve_config(None, "quickstart", ["aggregation.rule=clipped_mean"], {})
-    assert Aggregator(**cfg.aggregation.model_dump()) == Aggregator("clipped_mean", 0.1, 0.25)
+    assert Aggregator(**cfg.aggregation.model_dump()) == Aggregator("clipped_mean", 0.1, 0.5)
     default = resolve_config(None, "quickstart", [], {}).aggregation
     assert Aggregator(**default.model_dump()) == Aggregator()
     with pytest.raises(ConfigError, match="aggregation.rule"):
@@ -178,17 +180,17 @@ def test_the_quartile_scale_survives_a_majority_of_huge_updates():
 
 def test_clip_scale_comes_from_the_rounds_norms_not_the_clusters():
     """A boosted client alone in its cluster: its own norm is no scale; the round's
-    quartile (the channel's record of every accepted update) clips it to an honest one."""
+    median (the channel's record of every accepted update) clips it to an honest one."""
     start = torch.zeros(3, dtype=torch.float64)
     boosted = torch.tensor([[30.0, 40.0, 0.0]], dtype=torch.float64)  # norm 50
     round_norms = [5.0, 5.2, 5.1, 4.9, 50.0]
     alone = aggregate(start, boosted, None, Aggregator("clipped_mean"))
-    assert torch.equal(alone, boosted[0])  # its own quartile is itself: nothing clipped
-    tau = float(np.quantile(round_norms, 0.25, method="lower"))  # 5.0
+    assert torch.equal(alone, boosted[0])  # its own median is itself: nothing clipped
+    tau = float(np.quantile(round_norms, 0.5, method="lower"))  # 5.1
     scaled = aggregate(
         start, boosted, None, Aggregator("clipped_mean", round_norms=lambda: round_norms)
     )
-    assert torch.allclose(scaled, boosted[0] * tau / 50.0, rtol=1e-12)
+    assert torch.allclose(scaled, boosted[0] * (tau / 50.0), rtol=1e-12)
 
 
 def test_aligned_mean_drops_sign_flipped_updates():
@@ -231,3 +233,66 @@ def test_the_channel_records_the_rounds_accepted_update_norms():
     assert ctx.channel.update_norms == pytest.approx([5.0, 1.0, 10.0])
     ctx.channel.start_round()
     assert ctx.channel.update_norms == []
+
+
+def test_krum_scores_by_hand():
+    """Four updates on a line, 0, 1, 3, 10: squared distances summed over the
+    n − f − 2 nearest (Blanchard et al. 2017), worked out by hand."""
+    updates = torch.tensor([[0.0], [1.0], [3.0], [10.0]], dtype=torch.float64)
+    # f = 0: two neighbours each. 0: 1 + 9; 1: 1 + 4; 3: 4 + 9; 10: 49 + 81
+    assert krum_scores(updates, 0).tolist() == [10.0, 5.0, 13.0, 130.0]
+    # f = 1: n − f − 2 = 1 neighbour: the nearest one's squared distance
+    assert krum_scores(updates, 1).tolist() == [1.0, 1.0, 4.0, 49.0]
+
+
+def test_multi_krum_averages_the_n_minus_f_best_scored_rows():
+    start = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    updates = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0], [10.0, 0.0]], dtype=torch.float64)
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    # f = ⌊0.25·4⌋ = 1: scores 1, 1, 4, 49 (above); the three best are averaged with their weights
+    got = multi_krum(start, start + updates, weights, byzantine=0.25)
+    want = start + torch.tensor([(0 * 1 + 1 * 2 + 3 * 3) / 6, 0.0], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-12)
+    via_rule = aggregate(start, start + updates, weights, Aggregator("multi_krum"))
+    assert torch.equal(via_rule, got)
+    # f = 0 (too few rows for a share to round to one): the plain weighted mean
+    assert torch.equal(
+        multi_krum(start, start + updates[:3], weights[:3]),
+        weighted_average(start + updates[:3], weights[:3]),
+    )
+
+
+def test_alie_z_is_baruch_et_als_formula():
+    """z_max = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − m (Baruch et al., NeurIPS 2019), via scipy."""
+    for n, m in ((24, 6), (50, 12), (20, 2), (10, 4)):
+        s = n // 2 + 1 - m
+        assert alie_z(n, m) == pytest.approx(stats.norm.ppf((n - s) / n), rel=1e-9)
+    assert alie_z(24, 6) == pytest.approx(0.5485, abs=1e-4)
+    assert alie_z(4, 4) == pytest.approx(stats.norm.ppf(3 / 4))  # a majority: s taken as 1
+
+
+def test_alie_attackers_send_the_honest_mean_minus_z_std():
+    """Two colluders among four: each sends its own start + μ − z·σ of the two sound
+    updates (hand-computed: μ = (1, 2), sample σ = (√2, 0)); others pass unchanged."""
+    alie, flip = FAULTS.index("alie"), FAULTS.index("label_flip")
+    fault = np.array([-1, alie, -1, alie, flip])
+    start = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [2.0, 0.0], [5.0, 5.0]])
+    trained = torch.tensor([[0.0, 2.0], [7.0, 7.0], [2.0, 3.0], [9.0, 9.0], [6.0, 6.0]])
+    out = FaultyUploads(fault, scale=100.0, z=0.5)(np.arange(5), start, trained, 1)
+    sent = torch.tensor([1.0 - 0.5 * 2**0.5, 2.0])
+    assert torch.allclose(out[1], start[1] + sent) and torch.allclose(out[3], start[3] + sent)
+    assert torch.equal(out[[0, 2, 4]], trained[[0, 2, 4]])  # label flippers upload as trained
+    paper = FaultyUploads(fault, scale=100.0)(np.arange(5), start, trained, 1)
+    want = start[1] + torch.tensor([1.0 - alie_z(5, 2) * 2**0.5, 2.0])
+    assert torch.allclose(paper[1], want)
+
+
+def test_label_flippers_train_on_flipped_labels_only():
+    fed = rotated_digits(n_groups=2, clients_per_group=2, per_client=10)
+    flipped = flip_labels(fed, np.array([1, 3]))
+    for c in range(4):
+        part = fed.client_slice(c)
+        want = 9 - fed.y_train[part] if c in (1, 3) else fed.y_train[part]
+        assert torch.equal(flipped.y_train[part], want)
+    assert flipped.x_train is fed.x_train and torch.equal(flipped.y_test, fed.y_test)
+    assert fed.n_classes == 10

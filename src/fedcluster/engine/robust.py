@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 
@@ -65,7 +66,7 @@ from fedcluster.config import AggregationRule
 from fedcluster.engine.flat import weighted_average
 
 Rule = AggregationRule
-RULES: tuple[str, ...] = ("mean", "median", "trimmed_mean", "clipped_mean", "aligned_mean")
+RULES: tuple[str, ...] = get_args(AggregationRule)
 
 
 def _start_rows(start: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -115,7 +116,7 @@ def trimmed_mean(
     return (kept * w).sum(dim=0) / w.sum(dim=0)
 
 
-def clip_scale(norms: torch.Tensor, quantile: float = 0.25) -> float:
+def clip_scale(norms: torch.Tensor, quantile: float = 0.5) -> float:
     """The clipping norm τ: the ``quantile`` quantile of the update ``norms`` (0.5: the median).
 
     Computed in float64 with the lower order statistic (no interpolation), so
@@ -127,7 +128,7 @@ def clip_scale(norms: torch.Tensor, quantile: float = 0.25) -> float:
 def clipped_updates(
     start: torch.Tensor,
     rows: torch.Tensor,
-    quantile: float = 0.25,
+    quantile: float = 0.5,
     reference_norms: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(base, clipped)``: the start rows [n, d] and the updates clipped to τ.
@@ -140,7 +141,9 @@ def clipped_updates(
     base = _start_rows(start, rows)
     updates = rows - base
     norms = updates.double().norm(dim=1)
-    scale_from = norms if not reference_norms else torch.as_tensor(reference_norms)
+    scale_from = (
+        norms if not reference_norms else torch.as_tensor(reference_norms, dtype=torch.float64)
+    )
     tau = clip_scale(scale_from, quantile)
     factor = torch.where(norms > tau, tau / norms.clamp_min(1e-300), torch.ones_like(norms))
     return base, updates * factor.to(rows.dtype).unsqueeze(1)
@@ -150,7 +153,7 @@ def clipped_mean(
     start: torch.Tensor,
     rows: torch.Tensor,
     weights: torch.Tensor,
-    quantile: float = 0.25,
+    quantile: float = 0.5,
     reference_norms: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Weighted mean of the updates clipped to the round's robust scale, added to the start
@@ -159,21 +162,114 @@ def clipped_mean(
     return weighted_average(base + clipped, weights)
 
 
+COPY_COSINE = 0.9999
+"""Two updates whose cosine reaches this are copies: honest clients with their own data
+and mini-batches never send the same update, colluding ones do (ALIE: every attacker
+sends one vector; measured honest pairs in the quickstart federation stay below 0.99)."""
+
+
+def copies(updates: torch.Tensor) -> torch.Tensor:
+    """Mask [n] of the ``updates`` [n, d] that have a copy among the others (cosine ≥
+    :data:`COPY_COSINE`): FoolsGold's signal (Fung, Yoon, Beschastnikh, "The limitations of
+    federated learning in sybil settings", RAID 2020) that colluding clients share one
+    objective and so send updates more alike than honest clients' ever are."""
+    u = updates.double()
+    unit = u / u.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    cosine = unit @ unit.T
+    cosine.fill_diagonal_(-1.0)
+    return (cosine >= COPY_COSINE).any(dim=1)
+
+
+def aligned(clipped: torch.Tensor) -> torch.Tensor:
+    """Mask [n] of the ``clipped`` updates [n, d] that :func:`aligned_mean` keeps.
+
+    Copies (:func:`copies`) are left out first, so that colluders cannot make
+    the reference; then the updates whose cosine with the coordinate-wise
+    median of the others is ≤ 0. Where a step would leave nothing it is skipped.
+    """
+    kept = ~copies(clipped)
+    if not kept.any():
+        kept = torch.ones_like(kept)
+    u = clipped.double()
+    reference = coordinate_median(u[0], u[kept], torch.ones(int(kept.sum())))
+    cosine = torch.nn.functional.cosine_similarity(u, reference.unsqueeze(0), dim=1)
+    pointing = kept & (cosine > 0)
+    return pointing if pointing.any() else kept
+
+
 def aligned_mean(
     start: torch.Tensor,
     rows: torch.Tensor,
     weights: torch.Tensor,
-    quantile: float = 0.25,
+    quantile: float = 0.5,
     reference_norms: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """:func:`clipped_mean` of the clipped updates whose cosine with their coordinate-wise
-    median is > 0 (every update kept if none is, e.g. a zero median)."""
+    """:func:`clipped_mean` of the clipped updates that :func:`aligned` keeps: no copies,
+    and a positive cosine with the coordinate-wise median of the rest (every update kept
+    if none is, e.g. a zero median)."""
     base, clipped = clipped_updates(start, rows, quantile, reference_norms)
-    reference = coordinate_median(start, clipped, weights).double()
-    cosine = torch.nn.functional.cosine_similarity(clipped.double(), reference.unsqueeze(0), dim=1)
-    kept = cosine > 0
-    if not kept.any():
-        kept = torch.ones_like(kept)
+    kept = aligned(clipped)
+    return weighted_average(base[kept] + clipped[kept], weights[kept])
+
+
+def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum's score of each of ``updates`` [n, d] against ``f`` Byzantine ones (float64, [n]).
+
+    s(i) = Σ_{i→j} ‖V_i − V_j‖², the sum over the n − f − 2 updates closest to
+    V_i (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine learning with
+    adversaries: Byzantine tolerant gradient descent", NeurIPS 2017, Sec. 4);
+    at least one neighbour where n − f − 2 < 1 (the paper needs n > 2f + 2).
+    """
+    n = updates.shape[0]
+    u = updates.double()
+    squares = torch.cdist(u, u).square()
+    neighbours = min(max(n - f - 2, 1), n - 1)
+    closest = squares.sort(dim=1).values[:, 1 : neighbours + 1]  # column 0: itself
+    return closest.sum(dim=1)
+
+
+def multi_krum(
+    start: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, byzantine: float = 0.25
+) -> torch.Tensor:
+    """Multi-Krum (Blanchard et al., NeurIPS 2017, Sec. 5): the weighted mean of the
+    m = n − f rows whose updates have the lowest :func:`krum_scores`, f = ⌊``byzantine``·n⌋.
+
+    Ties keep the earlier row; with fewer than three rows (no neighbour to
+    compare with besides the other) the weighted mean of all.
+    """
+    n = rows.shape[0]
+    f = int(byzantine * n)
+    if n < 3 or f == 0:
+        return weighted_average(rows, weights)
+    scores = krum_scores(rows - _start_rows(start, rows), f)
+    chosen = torch.sort(scores, stable=True).indices[: n - f]
+    return weighted_average(rows[chosen], weights[chosen])
+
+
+def guarded_mean(
+    start: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    quantile: float = 0.5,
+    reference_norms: Sequence[float] | None = None,
+    byzantine: float = 0.25,
+) -> torch.Tensor:
+    """:func:`aligned_mean` followed by Multi-Krum's selection among what it keeps.
+
+    The server budgets f = ⌊``byzantine``·n⌋ exclusions: the updates
+    :func:`aligned` leaves out (copies, updates pointing away) count against
+    it, and the rest of the budget goes to the worst :func:`krum_scores` of
+    the survivors' updates as sent (Blanchard et al. 2017; unclipped, so that
+    a long update stays far), which catches updates that point the right way
+    but far from the others (label flipping). The survivors' clipped updates
+    are averaged with their weights.
+    """
+    base, clipped = clipped_updates(start, rows, quantile, reference_norms)
+    kept = torch.nonzero(aligned(clipped)).flatten()
+    budget = int(byzantine * rows.shape[0]) - (rows.shape[0] - len(kept))
+    if budget > 0 and len(kept) >= 3:
+        scores = krum_scores(rows[kept] - base[kept], budget)
+        kept = kept[torch.sort(scores, stable=True).indices[: len(kept) - budget]]
     return weighted_average(base[kept] + clipped[kept], weights[kept])
 
 
@@ -187,7 +283,8 @@ class Aggregator:
 
     rule: Rule = "mean"
     trim: float = 0.1
-    clip_quantile: float = 0.25
+    clip_quantile: float = 0.5
+    byzantine: float = 0.25
     round_norms: Callable[[], Sequence[float]] | None = field(default=None, compare=False)
     """The norms of every update accepted in the current round (the channel's
     record): the clipping rules take their scale τ from these."""
@@ -219,6 +316,10 @@ def aggregate(
         return coordinate_median(start, rows, w)
     if how.rule == "trimmed_mean":
         return trimmed_mean(start, rows, w, how.trim)
+    if how.rule == "multi_krum":
+        return multi_krum(start, rows, w, how.byzantine)
     reference = None if how.round_norms is None else how.round_norms()
+    if how.rule == "guarded_mean":
+        return guarded_mean(start, rows, w, how.clip_quantile, reference, how.byzantine)
     clip = aligned_mean if how.rule == "aligned_mean" else clipped_mean
     return clip(start, rows, w, how.clip_quantile, reference)

@@ -1,0 +1,52 @@
+"""Attacks within the norm bound against plain and robust rules (issue 21, docs/reliability.md).
+
+The quickstart federation (5,000 MNIST digits, 24 clients in 4 rotation
+groups, MLP 200-100), 6 of the 24 clients attacking (12 in the mixed
+setting), for FedAvg, IFCA, JGL, DCFL and FedGroup under each aggregation
+rule; the honest clients' final accuracy (``honest_accuracy``, mean over
+seeds) beside the fault-free run over the same clients
+(:func:`benchmarks.reliability.baseline`). The attacks
+(:mod:`fedcluster.scenario`):
+
+- ``x10-25``: updates boosted ×10 (``scaled``);
+- ``flip-25``: sign-flipped updates (``sign_flip``);
+- ``labels-25``: training on labels y → 9 − y (``label_flip``, a data attack);
+- ``alie-25``: "a little is enough" (Baruch et al., NeurIPS 2019): every
+  attacker sends the honest updates' mean minus z standard deviations, z from
+  the paper's formula (0.55 for 6 of 24);
+- ``mixed-50``: 25% ×10 and 25% sign flips together.
+
+    python -m benchmarks.attacks --seeds 3 --rounds 15 --out runs/attacks
+
+``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated);
+``--report`` prints the table of a finished ``results.json``.
+"""
+
+from __future__ import annotations
+
+from benchmarks.common import parser
+from benchmarks.reliability import ALGORITHMS as RELIABILITY_ALGORITHMS
+from benchmarks.reliability import RULES, run_table
+
+SETTINGS: dict[str, dict] = {
+    "x10-25": {"share": 0.25, "kinds": ["scaled"], "scaled_factor": 10.0},
+    "flip-25": {"share": 0.25, "kinds": ["sign_flip"], "flip_factor": 1.0},
+    "labels-25": {"share": 0.25, "kinds": ["label_flip"]},
+    "alie-25": {"share": 0.25, "kinds": ["alie"]},
+    "mixed-50": {"share": 0.5, "kinds": ["scaled", "sign_flip"], "scaled_factor": 10.0},
+}
+
+ALGORITHMS = {a: RELIABILITY_ALGORITHMS[a] for a in ("fedavg", "ifca", "jgl", "dcfl", "fedgroup")}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--rules", default="mean,aligned_mean,guarded_mean")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.set_defaults(seeds=3, rounds=15, out="runs/attacks")
+    run_table(p, SETTINGS, RULES, ALGORITHMS)
+
+
+if __name__ == "__main__":
+    main()
