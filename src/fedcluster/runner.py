@@ -34,6 +34,7 @@ from fedcluster.algorithms import ALGORITHMS, Context, algorithm_params, check_a
 from fedcluster.algorithms.base import Algorithm, State, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
+from fedcluster.central_dp import CentralDP
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
@@ -252,6 +253,7 @@ class Job:
             federation = federation.clone()  # each job drifts its own copy of the seed's data
         self.backend = experiment.backend_factory.backend(model, federation, seed)
         self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
+        self.central = CentralDP.from_config(cfg, federation.n_clients, len(start_row), seed)
         ctx = Context.for_backend(
             self.backend,
             LocalTraining(**cfg.train.model_dump()),
@@ -265,11 +267,13 @@ class Job:
         ctx.aggregate = Aggregator(
             **cfg.aggregation.model_dump(), round_norms=lambda: self.channel.update_norms
         )
+        if self.central is not None:
+            ctx.aggregate = ctx.central = self.central
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
         self.algorithm: Algorithm = ALGORITHMS[spec.name](algorithm_params(spec), ctx)
-        self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy)
+        self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self.info.groups = federation.groups
 
     def run(
@@ -337,8 +341,8 @@ class Job:
                 ", ".join(repaired),
                 ckpt.round,
             )
-        if self.privacy is not None:
-            self.privacy.load_state_dict(ckpt.privacy)
+        if self.info.privacy is not None:
+            self.info.privacy.load_state_dict(ckpt.privacy)
         return state
 
     def _round(self, state: State, rnd: int) -> dict[str, object]:
@@ -349,7 +353,11 @@ class Job:
         client_before = self.backend.seconds
         t0 = time.perf_counter()
         selected = select_clients(federation.n_clients, cfg, info.seed, rnd, channel.available)
+        if self.central is not None:
+            self.central.start_round(rnd)
         loss = algorithm.run_round(state, rnd, selected) if len(selected) else math.nan
+        if self.central is not None:
+            self.central.end_round()
         round_seconds = time.perf_counter() - t0
         client_seconds = self.backend.seconds - client_before
         row: dict[str, object] = {
@@ -361,7 +369,7 @@ class Job:
             "bytes_down": channel.traffic.down,
             "rejected": len(channel.rejected),
             "failed": len(channel.failed),
-            "epsilon": reported_epsilon(self.privacy),
+            "epsilon": reported_epsilon(self.info.privacy),
             "client_seconds": client_seconds,
             "server_seconds": round_seconds - client_seconds,
         }
