@@ -85,7 +85,7 @@ def test_server_clusters_on_each_clients_mean_sketch_and_stops_at_its_releases()
 
 
 # --------------------------------------------------------------- accountant
-@pytest.mark.parametrize("q,aggregates,sketches", [(1.0, 20, 1), (0.25, 40, 2)])
+@pytest.mark.parametrize("q,aggregates,sketches", [(1.0, 20, 1), (1.0, 15, 3)])
 def test_composed_epsilon_is_opacus_rdp_of_the_history(q, aggregates, sketches):
     z, z_s = calibrate_central(10.0, 1e-5, q, aggregates, sketches, 0.5)
     acc = RDPAccountant()  # the independent computation: one step at a time
@@ -103,10 +103,10 @@ def test_composed_epsilon_is_opacus_rdp_of_the_history(q, aggregates, sketches):
 
 
 def test_without_sketches_calibration_is_opacus_get_noise_multiplier():
-    z, z_s = calibrate_central(3.0, 1e-5, 0.5, 30)
+    z, z_s = calibrate_central(3.0, 1e-5, 1.0, 30)
     assert z_s == 0.0
     assert z == get_noise_multiplier(
-        target_epsilon=3.0, target_delta=1e-5, sample_rate=0.5, steps=30, accountant="rdp"
+        target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0, steps=30, accountant="rdp"
     )
 
 
@@ -193,7 +193,9 @@ def test_central_run_reports_the_calibrated_epsilon(tmp_path):
         assert 9.99 < float(row["epsilon"]) <= 10.0
 
 
-def test_clustering_on_updates_under_central_dp_needs_a_sketch(tmp_path):
-    config = resolve_config(None, "quickstart", [*TINY, "algorithms=[{name: dcfl}]"], {"rounds": 1})
-    with pytest.raises(ConfigError, match="sketch_dim"):
+@pytest.mark.parametrize("algorithm,error", [("dcfl", "sketch_dim"), ("cfl", "not available")])
+def test_clustering_on_updates_under_central_dp_is_refused(tmp_path, algorithm, error):
+    sets = [*TINY, f"algorithms=[{{name: {algorithm}}}]"]
+    config = resolve_config(None, "quickstart", sets, {"rounds": 1})
+    with pytest.raises(ConfigError, match=error):
         Experiment(config).run(tmp_path, progress=False)

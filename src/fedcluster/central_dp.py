@@ -62,6 +62,14 @@ from fedcluster.rng import torch_rng
 if TYPE_CHECKING:
     from fedcluster.config import ExperimentConfig
 
+CENTRAL_ALGORITHMS = frozenset(
+    {"fedavg", "fedprox", "fedavg-ft", "local", "ifca", "dcfl", "fedgroup", "fedgrouprox"}
+)
+"""Algorithms whose released models central DP covers: each client's update enters one
+aggregate, and its cluster depends only on its own data and released models (IFCA's
+choice) or on the noisy sketches (DCFL, FedGroup). The others cluster on individual
+updates or gradients (CFL, FL+HC, CFLGT, JGL, FeSEM) and are refused."""
+
 History = Sequence[tuple[float, float, int]]
 """Gaussian mechanisms released: ``(noise multiplier, sample rate, steps)``."""
 
@@ -220,6 +228,12 @@ class CentralDP:
             if p.sketch_dim:
                 raise ConfigError("privacy.sketch_dim: sketches need privacy.mode: central")
             return None
+        refused = sorted({a.name for a in config.algorithms} - CENTRAL_ALGORITHMS)
+        if refused:
+            raise ConfigError(
+                f"privacy.mode central: not available for {', '.join(refused)} (they cluster "
+                f"on individual uploads); allowed: {', '.join(sorted(CENTRAL_ALGORITHMS))}"
+            )
         if config.aggregation.rule != "mean":
             raise ConfigError(
                 "aggregation.rule: central DP is its own clipped mean; got "
