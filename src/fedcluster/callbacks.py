@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from fedcluster.central_dp import CentralDP
     from fedcluster.config import ExperimentConfig
     from fedcluster.privacy import LocalDP
     from fedcluster.rundir import Checkpoint, JobResult
@@ -41,7 +42,7 @@ class JobInfo:
     (each client's cluster, −1 unassigned; ``None`` for unclustered methods),
     ``groups`` (ground truth, where known) and ``diagnostics`` (the
     algorithm's per-round scalars). ``rows`` holds every metrics row so far
-    (of a resumed job too); ``privacy`` the job's local-DP ledger.
+    (of a resumed job too); ``privacy`` the job's DP ledger (local or central).
     """
 
     run: RunInfo
@@ -53,7 +54,7 @@ class JobInfo:
     clusters: np.ndarray | None = None
     groups: np.ndarray | None = None
     diagnostics: dict[str, float] = field(default_factory=dict)
-    privacy: LocalDP | None = None
+    privacy: LocalDP | CentralDP | None = None
     wall_offset: float = 0.0
     """Seconds the job had run before this process took it up (a resumed job)."""
     restored: Checkpoint | None = None

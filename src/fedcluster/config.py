@@ -132,9 +132,12 @@ class PrivacyConfig(_Strict):
     local training (Abadi et al. 2016; protects one sample). σ is calibrated
     so ``max_participations`` uploads per client spend at most
     (``epsilon``, ``delta``); a client that reaches its budget stops uploading.
+    ``central``: DP-FedAvg with adaptive clipping at each cluster's aggregate
+    (Andrew et al. 2021; trusted server), optionally with noisy sketches for
+    the clustering step (``sketch_dim``; :mod:`fedcluster.central_dp`).
     """
 
-    mode: Literal["none", "client", "record"] = "none"
+    mode: Literal["none", "client", "record", "central"] = "none"
     epsilon: float = Field(
         10.0, gt=0.0, le=limits.MAX_EPSILON, description="target ε per client (DCFL: 10)"
     )
@@ -154,6 +157,14 @@ class PrivacyConfig(_Strict):
     sampling: Literal["poisson", "shuffle"] = Field(
         "poisson",
         description="record level: Poisson batches (what the accountant assumes) or shuffled",
+    )
+    sketch_dim: int = Field(0, ge=0, description="central: sketch dimension k (0: no sketch)")
+    sketch_share: float = Field(0.5, gt=0.0, lt=1.0, description="central: sketches' budget share")
+    sketch_releases: int = Field(1, ge=1, description="central: sketches a client releases")
+    target_quantile: float = Field(0.5, gt=0.0, lt=1.0, description="central: clip quantile γ")
+    clip_lr: float = Field(0.2, ge=0.0, description="central: clip learning rate η_C (0: fixed)")
+    count_noise: float | None = Field(
+        None, gt=0.0, description="central: σ_b of the unclipped count (default m/20)"
     )
 
 

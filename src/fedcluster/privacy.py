@@ -34,6 +34,7 @@ from fedcluster.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from fedcluster.central_dp import CentralDP
     from fedcluster.config import ExperimentConfig
     from fedcluster.engine.batches import LocalTraining
     from fedcluster.engine.computation import ClientComputation
@@ -93,7 +94,7 @@ class LocalDP:
     ) -> LocalDP | None:
         """The job's privacy from the config's ``privacy`` section (None when off)."""
         p = config.privacy
-        if p.mode == "none":
+        if p.mode in ("none", "central"):  # central: fedcluster.central_dp
             return None
         sizes = np.asarray(train_sizes, dtype=np.int64)
         n = len(sizes)
@@ -235,16 +236,19 @@ def max_participations(config: ExperimentConfig, n_clients: int) -> int:
         return m
     if m == "rounds":
         return config.rounds
+    return max(1, math.ceil(config.rounds * participation_rate(config, n_clients)))
+
+
+def participation_rate(config: ExperimentConfig, n_clients: int) -> float:
+    """The share of clients selected per round (``participation.fraction`` or ``count``; 1: all)."""
     part = config.participation
     if part.fraction is not None:
-        rate = part.fraction
-    elif part.count is not None:
-        rate = min(1.0, part.count / max(n_clients, 1))
-    else:
-        rate = 1.0
-    return max(1, math.ceil(config.rounds * rate))
+        return part.fraction
+    if part.count is not None:
+        return min(1.0, part.count / max(n_clients, 1))
+    return 1.0
 
 
-def reported_epsilon(privacy: LocalDP | None) -> float:
-    """The ``epsilon`` metric: max ε spent over clients, NaN without local DP."""
+def reported_epsilon(privacy: LocalDP | CentralDP | None) -> float:
+    """The ``epsilon`` metric: max ε spent over clients, NaN without privacy."""
     return math.nan if privacy is None else privacy.max_epsilon()

@@ -34,6 +34,7 @@ from fedcluster.algorithms import Context, algorithm_class, algorithm_params, ch
 from fedcluster.algorithms.base import Algorithm, State, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
+from fedcluster.central_dp import CentralDP
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
@@ -309,6 +310,7 @@ class Job:
             federation = flip_labels(federation, flippers)  # where they train (Flower: the node)
         self.backend = experiment.backend_factory.backend(model, federation, seed)
         self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
+        self.central = CentralDP.from_config(cfg, federation.n_clients, len(start_row), seed)
         ctx = Context.for_backend(
             self.backend,
             LocalTraining(**cfg.train.model_dump(exclude={"loss"})),
@@ -323,11 +325,13 @@ class Job:
         ctx.aggregate = Aggregator(
             **cfg.aggregation.model_dump(), round_norms=lambda: self.channel.update_norms
         )
+        if self.central is not None:
+            ctx.aggregate = ctx.central = self.central
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
         self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
-        self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy)
+        self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self._keep_traffic = False  # init_state's traffic, kept for the first round
         self.info.groups = federation.groups
 
@@ -398,8 +402,8 @@ class Job:
                 ", ".join(repaired),
                 ckpt.round,
             )
-        if self.privacy is not None:
-            self.privacy.load_state_dict(ckpt.privacy)
+        if self.info.privacy is not None:
+            self.info.privacy.load_state_dict(ckpt.privacy)
         return state
 
     def _round(self, state: State, rnd: int) -> dict[str, object]:
@@ -410,7 +414,11 @@ class Job:
         client_before = self.backend.seconds
         t0 = time.perf_counter()
         selected = select_clients(federation.n_clients, cfg, info.seed, rnd, channel.available)
+        if self.central is not None:
+            self.central.start_round(rnd)
         loss = algorithm.run_round(state, rnd, selected) if len(selected) else math.nan
+        if self.central is not None:
+            self.central.end_round()
         round_seconds = time.perf_counter() - t0
         client_seconds = self.backend.seconds - client_before
         row: dict[str, object] = {
@@ -422,7 +430,7 @@ class Job:
             "bytes_down": channel.traffic.down,
             "rejected": len(channel.rejected),
             "failed": len(channel.failed),
-            "epsilon": reported_epsilon(self.privacy),
+            "epsilon": reported_epsilon(self.info.privacy),
             "client_seconds": client_seconds,
             "server_seconds": round_seconds - client_seconds,
         }

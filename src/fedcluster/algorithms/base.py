@@ -43,6 +43,7 @@ from fedcluster.errors import ConfigError
 from fedcluster.plugins import resolve
 
 if TYPE_CHECKING:
+    from fedcluster.central_dp import CentralDP
     from fedcluster.privacy import LocalDP
 
 
@@ -143,6 +144,9 @@ class Context:
     compare: str = "parameters"
     """What clustering compares (config ``model.compare``): the trainable
     ``parameters`` of a row, or the whole ``row`` with its float buffers."""
+    central: CentralDP | None = None
+    """Central DP (:mod:`fedcluster.central_dp`): then also :attr:`aggregate`; it sees
+    every accepted training upload and holds the clients' noisy sketches."""
 
     @classmethod
     def for_backend(
@@ -261,7 +265,37 @@ class Context:
             held=frozenset({"start"}) if held else frozenset(),
         )
         replies = self.channel.ask(TRAIN, clients, request, rnd, metadata_ints=ints)
+        if self.central is not None and len(replies.clients):
+            kept = start if start.dim() == 1 else start[torch.as_tensor(replies.keep)]
+            self.central.observe(replies.clients, kept, replies["row"])
         return Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
+
+    def clustering_view(
+        self, clients: np.ndarray, origins: torch.Tensor, ends: torch.Tensor, who: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a clustering step compares of ``clients``' updates (from ``origins`` to
+        ``ends``, [n, d]): the updates themselves, or under central DP with sketches
+        each client's mean noisy sketch [n, k] from a common zero origin; without
+        sketches the part of the rows that clustering compares (:meth:`compared`)."""
+        if self.central is None:
+            return self.compared(origins), self.compared(ends)
+        if self.central.sketch_matrix is None:
+            raise ConfigError(
+                f"privacy.mode central: {who} clusters on individual updates, which central DP "
+                "does not cover; set privacy.sketch_dim (e.g. 256) to cluster on noisy sketches"
+            )
+        sketches = self.central.sketches(np.asarray(clients, dtype=np.int64))
+        return torch.zeros_like(sketches), sketches
+
+    def public_view(
+        self, origins: torch.Tensor, ends: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vectors the server holds (e.g. cluster directions, [n, d]) in the space of
+        :meth:`clustering_view`: unchanged, or projected like a sketch (no noise)."""
+        if self.central is None or self.central.sketch_matrix is None:
+            return self.compared(origins), self.compared(ends)
+        projected = self.central.project(ends - origins)
+        return torch.zeros_like(projected), projected
 
     def evaluate(
         self, clients: np.ndarray, rows: torch.Tensor, model_of_client: np.ndarray, rnd: int

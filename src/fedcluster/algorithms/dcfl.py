@@ -150,8 +150,8 @@ class DCFL(Algorithm):
         selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
 
         sample = self._sample(len(selected), rnd)
-        c_start, c_rows = ctx.compared(start), ctx.compared(ex.rows)
-        s_start, s_rows = (c_start, c_rows) if sample is None else (c_start[sample], c_rows[sample])
+        origins, ends = ctx.clustering_view(selected, start, ex.rows, self.name)
+        s_start, s_rows = (origins, ends) if sample is None else (origins[sample], ends[sample])
         dist = dcfl_distance_matrix(s_start, s_rows, variant=self.params.variant)
         state.dunn = dunn_index(dist, labels if sample is None else labels[sample])
         previous = state.models
@@ -165,7 +165,7 @@ class DCFL(Algorithm):
             labels = (
                 s_labels
                 if sample is None
-                else self._nearest_exemplar(c_start, c_rows, sample, sample[exemplars], s_labels)
+                else self._nearest_exemplar(origins, ends, sample, sample[exemplars], s_labels)
             )
             previous = self._recluster(state, selected, labels)
             state.reclusterings += 1
@@ -246,14 +246,11 @@ class DCFL(Algorithm):
         w_g = models.mean(dim=0)
         ex = ctx.exchange(clients, w_g, rnd, purpose="newcomer")
         if len(ex.clients):
-            c_g = ctx.compared(w_g)
-            dist = dcfl_distance_to(
-                c_g.expand(len(ex.clients), -1),
-                ctx.compared(ex.rows),
-                c_g.expand(len(models), -1),
-                ctx.compared(models),
-                variant=self.params.variant,
+            origins, ends = ctx.clustering_view(
+                ex.clients, w_g.expand(len(ex.clients), -1), ex.rows, self.name
             )
+            to = ctx.public_view(w_g.expand(len(models), -1), models)
+            dist = dcfl_distance_to(origins, ends, *to, variant=self.params.variant)
             state.assign[ex.clients] = dist.argmin(dim=1).numpy()
         return state.assign[clients]
 

@@ -230,8 +230,8 @@ class FedGroup(Algorithm):
         if p.rcc:
             labels = np.arange(len(ex.clients))
         else:
-            seed = int(rng.integers(2**31))
-            labels = group_labels(ctx.compared(ex.rows), p.n_groups, p.measure, seed)
+            _, updates = ctx.clustering_view(ex.clients, ctx.init_row, ex.rows, self.name)
+            labels = group_labels(updates, p.n_groups, p.measure, int(rng.integers(2**31)))
         w0 = ctx.init_row.unsqueeze(0)
         state.models = cluster_average(
             ex.rows + w0, labels, w0.repeat(p.n_groups, 1), aggregate=ctx.aggregate
@@ -249,8 +249,11 @@ class FedGroup(Algorithm):
         ex = self.pretrain(clients)
         groups = np.full(len(clients), -1, dtype=np.int64)
         if len(ex.clients):
-            similarity = cosine_to(self.ctx.compared(ex.rows), self.ctx.compared(state.directions))
-            groups[ex.keep] = similarity.argmax(dim=1).numpy()
+            _, updates = self.ctx.clustering_view(ex.clients, self.ctx.init_row, ex.rows, self.name)
+            _, directions = self.ctx.public_view(
+                torch.zeros_like(state.directions), state.directions
+            )
+            groups[ex.keep] = cosine_to(updates, directions).argmax(dim=1).numpy()
         return groups
 
     def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
