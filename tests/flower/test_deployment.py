@@ -18,6 +18,7 @@ them alone, ``pytest -m deployment tests/flower/test_deployment.py``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -163,8 +164,9 @@ def _after_round(run: Path, rnd: int, algorithm: str) -> None:
 
 def _kill_and_restart(run: Path, node: int, kill: int, restart: int, spawned: list) -> None:
     """SIGKILL node ``node`` (SuperNode and worker) after the first job's round ``kill``;
-    start it again, by its command line in nodes.json, after round ``restart`` (a new
-    SuperNode registers under a new node id)."""
+    start it again, by its command line in nodes.json, after round ``restart`` (with
+    SuperNode authentication it comes back under its key's node id, which the
+    SuperLink had marked offline)."""
     import subprocess
     import sys
 
@@ -398,3 +400,140 @@ def test_nodes_in_network_namespaces_of_their_own(tmp_path, two_hosts):
     rows = _rows(run / "metrics.csv")
     assert [int(r["round"]) for r in rows] == [1, 2] and all(int(r["failed"]) == 0 for r in rows)
     assert json.loads((run / "status.json").read_text())["status"] == "completed"
+
+
+GUIDE = Path(__file__).parents[2] / "docs" / "flower.md"
+
+
+def guide_blocks() -> dict[str, str]:
+    """docs/flower.md's runnable blocks: ``<!-- guide: NAME -->`` before a bash block."""
+    import re
+
+    found = re.findall(r"<!-- guide: (\S+) -->\n```bash\n(.*?)```", GUIDE.read_text(), re.S)
+    return dict(found)
+
+
+def _listening(port: int, proc, log: Path, wait: float = 120.0) -> None:
+    import socket
+
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"nothing listens on port {port}: {log.read_text()[-2000:]}")
+
+
+def test_the_guide_runs_as_written(tmp_path):
+    """docs/flower.md's *Step 2: several machines*, block by block as written, on this
+    machine (SERVER=127.0.0.1, free ports, one Runtime API port per node): export
+    and app, certificates, the SuperLink with TLS and SuperNode authentication,
+    the CLI connection, ssh-keygen keys registered with the SuperLink, two nodes
+    with their workers, `flwr run --stream` (one line per round), `flwr ls`,
+    `fedcluster flower status`; then the insecure SuperLink and connection."""
+    import subprocess
+    import sys
+
+    from fedcluster.config import dump_config
+    from fedcluster.flower.launcher import free_port
+
+    blocks = guide_blocks()
+    assert set(blocks) == {
+        "prepare",
+        "certs",
+        "superlink",
+        "connection",
+        "key",
+        "register",
+        "supernode",
+        "run",
+        "status",
+        "insecure-superlink",
+        "insecure-connection",
+    }
+    (tmp_path / "my.yaml").write_text(dump_config(_config(["fedavg", "ifca"], rounds=2)))
+    run = tmp_path / "runs" / "my-run"
+    home = tmp_path / "home"
+    base = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "VENV": sys.prefix,
+        "SERVER": "127.0.0.1",
+        "PORT": str(free_port()),
+        "RUN": str(run),
+        "FLWR_HOME": str(home / "cli"),
+    }
+    procs: list = []
+
+    def sh(name: str, background: bool = False, **env: str):
+        args = ["bash", "-eu", "-o", "pipefail", "-c", blocks[name]]
+        full = {**base, **env}
+        if background:
+            log = tmp_path / f"{name}-{env.get('K', '')}.log"
+            f = open(log, "ab")  # noqa: SIM115 -- closed with the test's tmp_path
+            proc = subprocess.Popen(
+                args, env=full, cwd=tmp_path, stdout=f, stderr=f, start_new_session=True
+            )
+            procs.append(proc)
+            return proc, log
+        done = subprocess.run(
+            args, env=full, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, f"{name}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+        return done.stdout + done.stderr
+
+    try:
+        sh("prepare")
+        sh("certs")
+        proc, log = sh("superlink", background=True, FLWR_HOME=str(home / "superlink"))
+        _listening(int(base["PORT"]), proc, log)
+        sh("connection")
+        nodes = []
+        for k in (0, 1):
+            sh("key", K=str(k))
+            assert "registered successfully" in sh("register", K=str(k))
+            data = tmp_path / "export" / f"node-{k}"
+            nodes.append(
+                sh(
+                    "supernode",
+                    background=True,
+                    K=str(k),
+                    DATA=str(data),
+                    NODE_PORT=str(free_port()),
+                    FLWR_HOME=str(home / f"node-{k}"),
+                )
+            )
+        end = time.monotonic() + 180
+        while not all("SuperNode ID" in lg.read_text() for _, lg in nodes):
+            assert time.monotonic() < end, [lg.read_text()[-1000:] for _, lg in nodes]
+            time.sleep(0.5)
+        stream = sh("run")
+        for algorithm in ("fedavg", "ifca"):
+            for r in (1, 2):
+                assert f"fedcluster: {algorithm} seed 0 round {r}/2: accuracy" in stream
+        assert "replies 24/24" in stream
+        assert f"{run}: completed" in sh("status")
+        assert (run / "metrics.csv").is_file()
+        insecure_port = str(free_port())
+        proc, log = sh(
+            "insecure-superlink",
+            background=True,
+            PORT=insecure_port,
+            FLWR_HOME=str(home / "insecure"),
+        )
+        _listening(int(insecure_port), proc, log)
+        sh("insecure-connection", PORT=insecure_port)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
