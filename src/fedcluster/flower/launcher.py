@@ -229,6 +229,11 @@ class LocalDeployment:
         if self.tls:
             self.certs = make_tls(self.folder / "certs")
 
+    @property
+    def dial(self) -> str:
+        """The SuperLink's address from this machine's root namespace."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "127.0.0.1") else self.host
+
     # -- processes ---------------------------------------------------------------------------
 
     def _env(self, home: str) -> dict[str, str]:
@@ -290,7 +295,7 @@ class LocalDeployment:
                     f"flower-superlink exited with code {proc.returncode}: {last_error(log)}"
                 )
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                with socket.create_connection((self.dial, port), timeout=1):
                     return
             except OSError:
                 time.sleep(0.2)
@@ -302,7 +307,7 @@ class LocalDeployment:
         security = f'root-certificates = "{self.certs["ca"]}"' if self.tls else "insecure = true"
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n{security}\n'
+            f'[superlink.{CONNECTION}]\naddress = "{self.dial}:{self.port}"\n{security}\n'
         )
 
     def flwr(self, *args: str, log: Path | None = None, timeout: float = 120.0) -> str:
@@ -329,7 +334,7 @@ class LocalDeployment:
 
     def start_node(self, index: int, clients: list[int], data: Path) -> NodeProcess:
         node = NodeProcess(index, clients, data, self.folder / f"node-{index}.log", free_port())
-        netns, superlink = self.places.get(index, ("", "127.0.0.1"))
+        netns, superlink = self.places.get(index, ("", self.dial))
         inside = ["ip", "netns", "exec", netns] if netns else []
         args = [
             *inside,
