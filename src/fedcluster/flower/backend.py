@@ -12,15 +12,20 @@ unchanged on it (DESIGN principle 1): what a client computes and uploads is
 the same, and the server never sees client data. It names no computation: a
 new one needs no edit here.
 
-The server knows the federation only through what the nodes report in
+The server knows the federation through what the nodes report in
 ``query.setup`` (:func:`discover`, :class:`FederationInfo`): each node's client
 ids, their sample counts (for sample-weighted averaging), the ground-truth
-group where the node knows one (for purity), and the data shape (to build the
-model). A client the node cannot serve (its data file is corrupt) is logged
-with the node's error and stays in the federation, but is never asked: it
-is a ``failed`` client of every request, with that error as the reason, as
-the simulator's failing clients are. The clients of a node the SuperLink
-reports offline are treated the same from then on.
+group where the node knows one (for purity), the data shape (to build the
+model) and each client file's SHA-256 -- or, given the server's copy of the
+export's manifest, through that manifest, against which the nodes' hashes are
+checked. A client the node cannot serve (its data file is corrupt, or differs
+from the server's manifest) is logged with the reason and stays in the
+federation, but is out of reach: never asked, not available for selection,
+a ``failed`` client of every request that names it, as the simulator's
+failing clients are. The clients of a node that is lost (reported offline by
+the SuperLink, or silent past the timeout) are out of reach until a
+rediscovery at a round start finds the node again (:class:`Fleet`,
+:meth:`FlowerBackend.start_round`): ``rejoined`` or ``joined`` events.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ class FederationInfo:
     n_classes: int
     input_shape: tuple[int, ...]
     unavailable: dict[int, str] = field(default_factory=dict)
-    """Client -> why its node cannot serve it (its ``query.setup`` error, e.g. a corrupt
-    data file): it is not asked again, and fails every request with that reason."""
+    """Client -> why it is out of reach at discovery (its node's ``query.setup`` error,
+    e.g. a corrupt data file; a hash that differs from the server's manifest; no node
+    serving it): the seed's :class:`Fleet` starts from it."""
 
     @property
     def n_clients(self) -> int:
