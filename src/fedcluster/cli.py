@@ -133,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flower_parsers(sub: argparse._SubParsersAction) -> None:
-    """``fedcluster flower export | app | local`` (docs/flower.md)."""
-    flower = sub.add_parser("flower", help="deploy on real Flower nodes (export, app, local)")
+    """``fedcluster flower export | app | status | local`` (docs/flower.md)."""
+    flower = sub.add_parser(
+        "flower", help="deploy on real Flower nodes (export, app, status, local)"
+    )
     fsub = flower.add_subparsers(dest="flower_command")
     export = fsub.add_parser("export", help="write each client's data as a node-local file")
     _common(export)
@@ -144,6 +146,11 @@ def _flower_parsers(sub: argparse._SubParsersAction) -> None:
     app.add_argument("dir", help="the app folder to write")
     _common(app)
     app.add_argument("--seed", type=int, help="random seed")
+    app.add_argument(
+        "--manifest", help="the export's manifest.json: the server checks the nodes' files"
+    )
+    status = fsub.add_parser("status", help="a deployed run's final status (exit 1: failed)")
+    status.add_argument("run", help="the run directory (the app's `out`)")
     local = fsub.add_parser("local", help="run on a SuperLink and N SuperNodes on loopback")
     _common(local)
     local.add_argument("--seed", type=int, help="random seed")
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "flower" and args.flower_command:
             from fedcluster.flower.commands import flower_command
 
-            return flower_command(args, _overrides(args))
+            return flower_command(args, _overrides(args) if hasattr(args, "rounds") else {})
         if args.command == "verify":
             return _verify(args)
         parser.print_help()

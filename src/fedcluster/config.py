@@ -291,14 +291,26 @@ class RejectionConfig(_Strict):
 class DeploymentConfig(_Strict):
     """How the Flower ServerApp collects replies from real nodes (docs/flower.md).
 
-    The defaults keep every client required: the server waits for all replies.
+    The defaults survive a fleet's everyday losses: each request waits
+    ``timeout_factor`` × the slowest round trip measured so far, at least
+    ``timeout_floor`` seconds (``round_timeout`` fixes it instead), and the run
+    goes on while at least ``min_replies`` of the clients reply.
     """
 
     round_timeout: float | None = Field(
-        None, gt=0.0, description="seconds to wait for a request's replies (None: no limit)"
+        None,
+        gt=0.0,
+        description="seconds to wait for a request's replies (None: timeout_factor x the "
+        "slowest round trip measured so far, at least timeout_floor)",
+    )
+    timeout_floor: float = Field(
+        30.0, gt=0.0, description="the measured timeout's least value (seconds)"
+    )
+    timeout_factor: float = Field(
+        3.0, ge=1.0, description="the measured timeout: this x the slowest round trip so far"
     )
     min_replies: float = Field(
-        1.0,
+        0.5,
         gt=0.0,
         le=1.0,
         description="fraction of the clients asked that must reply, else the run stops",

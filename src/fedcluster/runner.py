@@ -456,16 +456,24 @@ class Job:
 
     def _start_round(self, rnd: int) -> list[tuple[int, str, str]]:
         """Set the scenario's masks and apply the round's drift; the scenario's events
-        ``(client, kind, detail)``: faulty clients (round 1), joins, departures, drift."""
+        ``(client, kind, detail)``: faulty clients (round 1), joins, departures, drift,
+        and the backend's own (Flower: clients whose node came back or connected). A
+        client the backend cannot reach this round is not available for selection."""
         scenario = self.scenario
-        self.channel.start_round(*scenario.masks(rnd), keep=self._keep_traffic)
+        present, available, failing = scenario.masks(rnd)
+        start = getattr(self.backend, "start_round", None)
+        found: list[tuple[int, str, str]] = []
+        if start is not None:  # a backend that learns who it reaches (Flower: lost, back nodes)
+            reachable, found = start(rnd)
+            available = available & reachable
+        self.channel.start_round(present, available, failing, keep=self._keep_traffic)
         self._keep_traffic = False
         events = [(c, "faulty", fault) for c, fault in scenario.faulty()] if rnd == 1 else []
         events += [(int(c), "join", "") for c in scenario.joins(rnd)]
         events += [(int(c), "leave", "") for c in scenario.leaves(rnd)]
         for event in scenario.drifts(rnd):
             events.append((event.client, "drift", f"{event.kind}: {self._drift(event)}"))
-        return events
+        return events + found
 
     def _drift(self, event: DriftEvent) -> str:
         """Apply a drift event to the job's data; its description. A backend whose data

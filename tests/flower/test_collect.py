@@ -122,8 +122,18 @@ def test_required_counts_and_the_deployment_settings():
     config = validate_config({"deployment": {"round_timeout": 30, "min_replies": 0.75}})
     assert config.deployment.round_timeout == 30.0 and config.deployment.min_replies == 0.75
     default = validate_config({}).deployment
-    assert default.round_timeout is None and default.min_replies == 1.0
-    for bad in ({"round_timeout": 0}, {"min_replies": 0}, {"min_replies": 1.5}, {"wait": 1}):
+    # a fleet's defaults: the measured timeout (at least 30 s), half the clients needed
+    assert default.round_timeout is None and default.min_replies == 0.5
+    assert default.timeout_floor == 30.0 and default.timeout_factor == 3.0
+    bad_settings = (
+        {"round_timeout": 0},
+        {"min_replies": 0},
+        {"min_replies": 1.5},
+        {"timeout_floor": 0},
+        {"timeout_factor": 0.5},
+        {"wait": 1},
+    )
+    for bad in bad_settings:
         with pytest.raises(ConfigError, match="deployment"):
             validate_config({"deployment": bad})
 

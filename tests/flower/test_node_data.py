@@ -179,8 +179,12 @@ def test_the_flower_app_names_fedclusters_apps_and_its_run_config(exported, tmp_
     pytest.importorskip("flwr")
     from fedcluster.flower.app import config_from_run, write_app
 
-    config, _ = exported
-    folder = write_app(tmp_path / "app", config, out="runs/x", round_timeout=30, min_replies=0.5)
+    config, export = exported
+    manifest = read_manifest(export)
+    config = config.model_copy(
+        update={"deployment": config.deployment.model_copy(update={"min_replies": 0.75})}
+    )
+    folder = write_app(tmp_path / "app", config, out="runs/x", manifest=manifest.path)
     project = tomllib.loads((folder / "pyproject.toml").read_text())
     flwr = project["tool"]["flwr"]["app"]
     assert flwr["publisher"] == "fedcluster"
@@ -189,11 +193,22 @@ def test_the_flower_app_names_fedclusters_apps_and_its_run_config(exported, tmp_
         "clientapp": "fedcluster.flower.client:client_app",
     }
     run = flwr["config"]
-    assert run["config"] == "experiment.yaml" and run["out"] == "runs/x"
-    # the ServerApp's view: paths relative to the app folder, timeouts into `deployment`
-    loaded, out = config_from_run({**run, "config": str(folder / "experiment.yaml")})
-    assert out == "runs/x"
-    assert loaded.deployment.round_timeout == 30.0 and loaded.deployment.min_replies == 0.5
+    # every deployment setting written out; the output directory absolute
+    assert run["config"] == "experiment.yaml" and run["out"] == str(Path("runs/x").absolute())
+    assert run["round-timeout"] == "auto" and run["min-replies"] == 0.75
+    assert run["timeout-floor"] == 30.0 and run["timeout-factor"] == 3.0
+    assert run["manifest"] == "manifest.json"
+    assert (folder / "manifest.json").read_bytes() == manifest.path.read_bytes()
+    # the ServerApp's view: paths relative to the app folder, settings into `deployment`
+    given = {k: str(folder / run[k]) for k in ("config", "manifest")}
+    loaded, out, expected = config_from_run({**run, **given, "round-timeout": 30})
+    assert out == run["out"] and expected is not None
+    assert expected.clients == manifest.clients
+    assert loaded.deployment.round_timeout == 30.0 and loaded.deployment.min_replies == 0.75
     assert loaded.model_dump(exclude={"deployment"}) == config.model_dump(exclude={"deployment"})
+    auto, _, _ = config_from_run({**run, **given})
+    assert auto.deployment == config.deployment
+    with pytest.raises(FedclusterError, match="'min-replies': 'most' is not a number"):
+        config_from_run({**run, **given, "min-replies": "most"})
     with pytest.raises(FedclusterError, match="nothere.yaml not found"):
         config_from_run({"config": "nothere.yaml"})

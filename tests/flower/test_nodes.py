@@ -81,7 +81,8 @@ class LocalGrid:
         """Each pushed message's computation (``setup`` for discovery)."""
 
     def get_node_ids(self) -> list[int]:
-        return list(self.nodes)
+        # as the SuperLink: the nodes online (a node that hangs stays listed)
+        return [n for n in self.nodes if n not in self.offline]
 
     def push_messages(self, messages):
         ids = []
@@ -316,8 +317,8 @@ def _corrupt(folder: Path, client: int) -> None:
 
 def test_a_corrupt_client_file_leaves_only_that_client_out(tmp_path, caplog):
     """Client 4's file is corrupt: discovery logs the client and its node's error, the
-    node serves its other clients, client 4 is never asked again and is ``failed`` in
-    every round, and the run goes on -- even with ``min_replies`` 1.0 and a request
+    node serves its other clients, client 4 is never asked again (nor selected) and is
+    ``failed`` in every round's evaluation, and the run goes on -- also past a request
     for client 4 alone (IFCA's evaluation of a client no cluster has chosen yet)."""
     config = _config([{"name": "fedavg"}, {"name": "ifca", "params": SMALL["ifca"]}])
     nodes, blocks = _nodes(config, tmp_path, 2)  # clients 0-2 and 3-5
@@ -334,7 +335,9 @@ def test_a_corrupt_client_file_leaves_only_that_client_out(tmp_path, caplog):
     failed = [(e["algorithm"], e["round"], e["client"]) for e in events if e["kind"] == "failed"]
     assert failed == [(a, r, "4") for a in ("fedavg", "ifca") for r in ("1", "2")]
     assert all("SHA-256 differs" in e["detail"] for e in events if e["kind"] == "failed")
-    assert [int(r["failed"]) for r in _rows(tmp_path / "flower/metrics.csv")] == [1, 1, 1, 1]
+    # out of reach, client 4 is not available for selection: no training fails; its
+    # evaluations do (the events above)
+    assert [int(r["failed"]) for r in _rows(tmp_path / "flower/metrics.csv")] == [0, 0, 0, 0]
 
 
 def test_discovery_names_missing_and_doubly_held_clients(tmp_path):
@@ -380,7 +383,7 @@ def test_a_node_reported_offline_is_not_asked_again(tmp_path, caplog):
     grid = _LosesANode(nodes, after=2)  # after round 1's training
     with caplog.at_level(logging.WARNING, logger="fedcluster.flower.backend"):
         _flower_run(config, grid, tmp_path / "flower")
-    offline = [r.getMessage() for r in caplog.records if "is offline;" in r.getMessage()]
+    offline = [r.getMessage() for r in caplog.records if "is lost;" in r.getMessage()]
     assert len(offline) == 1 and "node 101" in offline[0] and "(3, 4, 5)" in offline[0]
     asked = [node for node, kind, _ in grid.sent if kind != protocol.SETUP]
     # round 1: train answered by both; evaluate: node 101's unavailable reply; then never

@@ -15,11 +15,15 @@ Run config keys (override with ``flwr run DIR <superlink> -c 'key=value'``):
 
 - ``config``: the experiment YAML, relative to the app folder (or absolute);
 - ``preset``: a preset name (used when ``config`` is empty);
-- ``out``: the run directory, on the SuperLink's machine;
-- ``round-timeout``: seconds to wait for a request's replies (0: the YAML's
-  ``deployment.round_timeout``);
-- ``min-replies``: fraction of the clients asked that must reply (0: the
-  YAML's ``deployment.min_replies``).
+- ``out``: the run directory, on the SuperLink's machine (an absolute path:
+  a relative one would depend on the SuperLink's working directory);
+- ``manifest``: the server's copy of the export's ``manifest.json`` (relative
+  to the app folder, or absolute; empty: none), against which each node's
+  reported file hashes are checked;
+- ``round-timeout``, ``timeout-floor``, ``timeout-factor``, ``min-replies``:
+  the experiment's ``deployment`` settings (``round-timeout = "auto"``: the
+  measured timeout), written out explicitly; a value given here wins over the
+  YAML's.
 
 :func:`config_from_run` turns a run config into the experiment the
 ServerApp runs (:func:`fedcluster.flower.server._deployed`).
@@ -28,15 +32,21 @@ ServerApp runs (:func:`fedcluster.flower.server._deployed`).
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedcluster.config import ExperimentConfig, dump_config, resolve_config
+from fedcluster.config import DeploymentConfig, ExperimentConfig, dump_config, resolve_config
 from fedcluster.errors import ConfigError
+from fedcluster.flower.nodedata import NodeManifest, read_manifest
 
 EXPERIMENT = "experiment.yaml"
+STATUS = "status.json"
+"""The run directory's final status, written last by the deployed ServerApp
+(:func:`fedcluster.flower.server.write_status`): ``{"status": "completed" |
+"failed", "reason": ..., "finished": ...}``."""
 SERVER_APP = "fedcluster.flower.server:server_app"
 CLIENT_APP = "fedcluster.flower.client:client_app"
 
@@ -55,12 +65,11 @@ def _project_name(name: str) -> str:
     return f"fedcluster-{slug}"
 
 
+MANIFEST = "manifest.json"
+
+
 def app_pyproject(
-    name: str,
-    out: str,
-    config: str = EXPERIMENT,
-    round_timeout: float = 0.0,
-    min_replies: float = 0.0,
+    name: str, out: str, deployment: DeploymentConfig, config: str = EXPERIMENT, manifest: str = ""
 ) -> str:
     """The ``pyproject.toml`` of a Flower App running fedcluster's apps."""
     from fedcluster import __version__
@@ -69,8 +78,11 @@ def app_pyproject(
         "config": config,
         "preset": "",
         "out": out,
-        "round-timeout": float(round_timeout),
-        "min-replies": float(min_replies),
+        "manifest": manifest,
+        "round-timeout": "auto" if deployment.round_timeout is None else deployment.round_timeout,
+        "timeout-floor": deployment.timeout_floor,
+        "timeout-factor": deployment.timeout_factor,
+        "min-replies": deployment.min_replies,
     }
     lines = [
         "# A Flower App (Flower 1.42): `flwr run . <superlink-connection>`; see fedcluster's",
@@ -107,16 +119,25 @@ def write_app(
     folder: str | Path,
     config: ExperimentConfig,
     out: str | None = None,
-    round_timeout: float = 0.0,
-    min_replies: float = 0.0,
+    manifest: str | Path | None = None,
 ) -> Path:
-    """Write the Flower App folder ``folder``: ``pyproject.toml`` and ``experiment.yaml``
-    (the fully resolved ``config``). ``out`` is the run directory the ServerApp writes."""
+    """Write the Flower App folder ``folder``: ``pyproject.toml``, ``experiment.yaml``
+    (the fully resolved ``config``) and, given the export's ``manifest``, its copy
+    for the server (``manifest.json``). ``out`` is the run directory the ServerApp
+    writes (made absolute here)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / EXPERIMENT).write_text(dump_config(config))
-    out = out or f"runs/{config.name}-flower"
-    text = app_pyproject(config.name, out, EXPERIMENT, round_timeout, min_replies)
+    out = str(Path(out or f"runs/{config.name}-flower").absolute())
+    if manifest is not None:
+        source = Path(manifest)
+        if source.is_dir():
+            source = source / MANIFEST
+        read_manifest(source)  # a clear error for a file that is not a manifest
+        shutil.copyfile(source, folder / MANIFEST)
+    text = app_pyproject(
+        config.name, out, config.deployment, EXPERIMENT, MANIFEST if manifest is not None else ""
+    )
     (folder / "pyproject.toml").write_text(text)
     return folder
 
@@ -133,17 +154,41 @@ def _app_file(name: str) -> Path:
     return path
 
 
-def config_from_run(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, str]:
-    """The experiment and the output directory a run config names."""
+_DEPLOYMENT_KEYS = {
+    "round-timeout": "round_timeout",
+    "timeout-floor": "timeout_floor",
+    "timeout-factor": "timeout_factor",
+    "min-replies": "min_replies",
+}
+
+
+def config_from_run(
+    run_config: Mapping[str, Any],
+) -> tuple[ExperimentConfig, str, NodeManifest | None]:
+    """The experiment, the output directory and the server's manifest a run config names."""
     name = str(run_config.get("config") or "")
     preset = str(run_config.get("preset") or "") or None
     path = _app_file(name) if name else None
     if path is not None and not path.is_file():
         raise ConfigError(f"run config 'config': {name} not found in the app folder")
     over: dict[str, Any] = {}
-    if float(run_config.get("round-timeout") or 0) > 0:
-        over["round_timeout"] = float(run_config["round-timeout"])
-    if float(run_config.get("min-replies") or 0) > 0:
-        over["min_replies"] = float(run_config["min-replies"])
+    for key, field in _DEPLOYMENT_KEYS.items():
+        value = run_config.get(key)
+        if value is None or value == "":
+            continue
+        if key == "round-timeout" and value == "auto":
+            over[field] = None
+            continue
+        try:
+            over[field] = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"run config '{key}': {value!r} is not a number") from None
     config = resolve_config(path, preset, overrides={"deployment": over} if over else None)
-    return config, str(run_config.get("out") or f"runs/{config.name}-flower")
+    manifest = str(run_config.get("manifest") or "")
+    expected = None
+    if manifest:
+        file = _app_file(manifest)
+        if not file.is_file():
+            raise ConfigError(f"run config 'manifest': {manifest} not found in the app folder")
+        expected = read_manifest(file)
+    return config, str(run_config.get("out") or f"runs/{config.name}-flower"), expected

@@ -12,21 +12,27 @@ unchanged on it (DESIGN principle 1): what a client computes and uploads is
 the same, and the server never sees client data. It names no computation: a
 new one needs no edit here.
 
-The server knows the federation only through what the nodes report in
+The server knows the federation through what the nodes report in
 ``query.setup`` (:func:`discover`, :class:`FederationInfo`): each node's client
 ids, their sample counts (for sample-weighted averaging), the ground-truth
-group where the node knows one (for purity), and the data shape (to build the
-model). A client the node cannot serve (its data file is corrupt) is logged
-with the node's error and stays in the federation, but is never asked: it
-is a ``failed`` client of every request, with that error as the reason, as
-the simulator's failing clients are. The clients of a node the SuperLink
-reports offline are treated the same from then on.
+group where the node knows one (for purity), the data shape (to build the
+model) and each client file's SHA-256 -- or, given the server's copy of the
+export's manifest, through that manifest, against which the nodes' hashes are
+checked. A client the node cannot serve (its data file is corrupt, or differs
+from the server's manifest) is logged with the reason and stays in the
+federation, but is out of reach: never asked, not available for selection,
+a ``failed`` client of every request that names it, as the simulator's
+failing clients are. The clients of a node that is lost (reported offline by
+the SuperLink, or silent past the timeout) are out of reach until a
+rediscovery at a round start finds the node again (:class:`Fleet`,
+:meth:`FlowerBackend.start_round`): ``rejoined`` or ``joined`` events.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +40,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 from torch import nn
 
+from fedcluster.config import DeploymentConfig
 from fedcluster.data.drift import DriftEvent, planned_detail
 from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.computation import (
@@ -45,7 +52,8 @@ from fedcluster.engine.computation import (
 )
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.flower import protocol
-from fedcluster.flower.collect import check_enough, collect
+from fedcluster.flower.collect import Collected, TooFewReplies, check_enough, collect, required
+from fedcluster.flower.nodedata import NodeManifest
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +72,9 @@ class FederationInfo:
     n_classes: int
     input_shape: tuple[int, ...]
     unavailable: dict[int, str] = field(default_factory=dict)
-    """Client -> why its node cannot serve it (its ``query.setup`` error, e.g. a corrupt
-    data file): it is not asked again, and fails every request with that reason."""
+    """Client -> why it is out of reach at discovery (its node's ``query.setup`` error,
+    e.g. a corrupt data file; a hash that differs from the server's manifest; no node
+    serving it): the seed's :class:`Fleet` starts from it."""
 
     @property
     def n_clients(self) -> int:
@@ -76,6 +85,10 @@ NODE_WAIT_SECONDS = 60.0
 """How long :func:`discover` waits for the first node: Flower's simulation runtime
 registers its nodes on a thread of its own, which can start after the ServerApp's
 (seen on a loaded 2-core machine), and deployed nodes connect when they are up."""
+
+FIRST_TIMEOUT_FLOORS = 10
+"""Before any round trip is measured (discovery), the measured timeout is this many
+``timeout_floor``s: the first requests load each node's data and model."""
 
 
 def connected_nodes(grid: Grid, wait: float = NODE_WAIT_SECONDS, poll: float = 0.2) -> list[int]:
@@ -91,52 +104,104 @@ def connected_nodes(grid: Grid, wait: float = NODE_WAIT_SECONDS, poll: float = 0
         time.sleep(poll)
 
 
-def discover(
-    grid: Grid, experiment: str, seed: int, timeout: float | None = None
-) -> tuple[FederationInfo, dict[int, int]]:
-    """Ask every connected node which clients it holds; the federation and client → node map.
-
-    Every client id 0..n−1 must be held by exactly one node that answered (n:
-    the federation's size the nodes' manifests give, else the ids reported).
-    A client its node cannot serve is logged with the node's error and kept
-    (it will fail each request); a node that fails or does not answer is
-    logged, and ends discovery with one line only when its clients are then
-    missing.
-    """
-    nodes = connected_nodes(grid)
+def _ask_setup(
+    grid: Grid, nodes: list[int], experiment: str, seed: int, timeout: float | None
+) -> tuple[Collected, dict[int, tuple[dict, list[tuple[int, dict]]]]]:
+    """``query.setup`` of ``nodes``: per node that answered, its settings and its
+    clients (id, what the node reports of it)."""
     config = {"experiment": experiment, "seed": seed}
     messages = [
         Message(protocol.request({}, config), dst_node_id=n, message_type=protocol.SETUP)
         for n in nodes
     ]
+    got = collect(
+        grid, messages, nodes, timeout, None, what=protocol.SETUP, name=lambda n: f"node {n}"
+    )
+    out = {}
+    for node, reply in got.replies.items():
+        info = protocol.settings(reply.content)
+        clients = []
+        for j, c in enumerate(info[protocol.CLIENTS]):
+            head = protocol.prefix(j)
+            clients.append(
+                (int(c), {k[len(head) :]: v for k, v in info.items() if k.startswith(head)})
+            )
+        out[int(node)] = (dict(info.items()), clients)
+    return got, out
+
+
+def refusal(client: int, node: int, one: Mapping, expected: NodeManifest | None) -> str | None:
+    """Why ``client`` of ``node`` cannot take part: its node's error, or its data file's
+    SHA-256 (as the node computed it) differing from the server's manifest; ``None``
+    when it can. Names the client's file, never a node's path."""
+    if protocol.ERROR in one:
+        return str(one[protocol.ERROR])
+    if expected is None:
+        return None
+    entry = expected.clients.get(client)
+    if entry is None:
+        return f"the server's manifest has no client {client}"
+    if str(one.get("sha256", "")) != entry["sha256"]:
+        return (
+            f"DataError: {entry['file']}: SHA-256 differs from the server's manifest "
+            f"(node {node} holds other data than was exported)"
+        )
+    return None
+
+
+def discover(
+    grid: Grid,
+    experiment: str,
+    seed: int,
+    timeout: float | None = None,
+    expected: NodeManifest | None = None,
+) -> tuple[FederationInfo, dict[int, int]]:
+    """Ask every connected node which clients it holds; the federation and client → node map.
+
+    Without ``expected`` (the server's manifest of the export) every client id
+    0..n−1 must be held by exactly one node that answered (n: the federation's
+    size the nodes' manifests give, else the ids reported). With it, the
+    federation is the manifest's, and a client no node serves yet is unavailable
+    ("no node serves it"): its node may connect later
+    (:meth:`FlowerBackend.start_round`). A client its node cannot serve, or
+    whose file's hash differs from ``expected``, is logged with the reason and
+    kept (it will fail each request); a node that fails or does not answer is
+    logged, and ends discovery with one line only when its clients are then
+    missing and there is no ``expected``.
+    """
+    nodes = connected_nodes(grid)
     what = protocol.SETUP
-    got = collect(grid, messages, nodes, timeout, None, what=what, name=lambda n: f"node {n}")
+    got, answered = _ask_setup(grid, nodes, experiment, seed, timeout)
     held: dict[int, tuple[int, dict]] = {}
     totals: set[int] = set()
     shape: tuple[int, tuple[int, ...]] | None = None
-    for node, reply in got.replies.items():
-        info = protocol.settings(reply.content)
+    unavailable: dict[int, str] = {}
+    for node, (info, clients) in answered.items():
         totals.add(int(info["n_clients"]))
-        shape = shape or (int(info["n_classes"]), tuple(int(s) for s in info["input_shape"]))
-        for j, c in enumerate(info[protocol.CLIENTS]):
-            head = protocol.prefix(j)
-            if int(c) in held:
+        if "n_classes" in info:
+            shape = shape or (int(info["n_classes"]), tuple(int(s) for s in info["input_shape"]))
+        for c, one in clients:
+            if c in held:
                 raise FlowerClientError(
-                    f"client {c} is held by nodes {held[int(c)][0]} and {node}; "
+                    f"client {c} is held by nodes {held[c][0]} and {node}; "
                     "give each client's data to one node"
                 )
-            one = {k[len(head) :]: v for k, v in info.items() if k.startswith(head)}
-            held[int(c)] = (int(node), one)
-            if protocol.ERROR in one:
+            held[c] = (node, one)
+            reason = refusal(c, node, one, expected)
+            if reason is not None:
+                unavailable[c] = reason
                 log.warning(
                     "%s: client %s (node %s) cannot take part; it is left out and fails "
                     "every request: %s",
                     what,
                     c,
                     node,
-                    one[protocol.ERROR],
+                    reason,
                 )
     totals.discard(-1)
+    if expected is not None:
+        totals = {expected.n_clients or len(expected.clients)}
+        shape = (expected.n_classes, expected.input_shape)
     if len(totals) > 1:
         raise FlowerClientError(
             f"the nodes' data come from federations of {sorted(totals)} clients"
@@ -144,23 +209,77 @@ def discover(
     n = totals.pop() if totals else len(held)
     missing = sorted(set(range(n)) - set(held))
     extra = sorted(set(held) - set(range(n)))
-    if missing or extra or shape is None:
-        lost = "; ".join(f"node {k}: {r}" for k, r in got.failures.items()) or "none"
+    lost = "; ".join(f"node {k}: {r}" for k, r in got.failures.items()) or "none"
+    if extra or shape is None or (missing and expected is None):
         raise FlowerClientError(
             f"clients {missing or extra} of 0..{n - 1} are held by no node that answered "
             f"{what} (nodes that failed: {lost})"
         )
-    info = [held[c][1] for c in range(n)]
-    groups = np.array([int(i["group"]) for i in info])
+    if missing:
+        log.warning(
+            "%s: clients %s are held by no node that answered (nodes that failed: %s); "
+            "they fail every request until their node connects",
+            what,
+            ", ".join(map(str, missing)),
+            lost,
+        )
+    if expected is not None:
+        info = [expected.clients[c] for c in range(n)]
+        unavailable.update({c: "no node serves it" for c in missing})
+    else:
+        info = [held[c][1] for c in range(n)]
+    groups = np.array([-1 if i["group"] is None else int(i["group"]) for i in info])
     federation = FederationInfo(
         train_sizes=np.array([int(i["train_size"]) for i in info]),
         test_sizes=np.array([int(i["test_size"]) for i in info]),
         groups=None if (groups < 0).any() else groups,
         n_classes=shape[0],
         input_shape=shape[1],
-        unavailable={c: str(i[protocol.ERROR]) for c, i in enumerate(info) if protocol.ERROR in i},
+        unavailable=dict(sorted(unavailable.items())),
     )
-    return federation, {c: held[c][0] for c in range(n)}
+    return federation, {c: held[c][0] for c in range(n) if c in held}
+
+
+@dataclass
+class Fleet:
+    """What the server knows of its nodes during one seed (shared by the seed's jobs)."""
+
+    nodes: dict[int, int]
+    """Client -> the node serving it (the latest that reported it)."""
+    unavailable: dict[int, str]
+    """Client -> why it is not asked (its node's setup error, a hash that differs from
+    the server's manifest, no node serving it)."""
+    lost: dict[int, str] = field(default_factory=dict)
+    """Node -> why it is not asked (reported offline, no reply within the timeout)."""
+    answered: set[int] = field(default_factory=set)
+    """Nodes that answered ``query.setup`` and were not lost since."""
+    seen: set[int] = field(default_factory=set)
+    """Clients some node has served in this seed (a returning one has ``rejoined``)."""
+    round_trip: float = 0.0
+    """The slowest round trip measured so far (seconds)."""
+
+    def missing(self, n_clients: int) -> dict[int, str]:
+        """Client -> why it is out of reach now (unavailable, or its node lost)."""
+        out = {}
+        for c in range(n_clients):
+            node = self.nodes.get(c)
+            if c in self.unavailable:
+                out[c] = self.unavailable[c]
+            elif node in self.lost:
+                out[c] = f"its node {node} is lost ({self.lost[node]})"
+        return out
+
+
+def describe_missing(missing: Mapping[int, str]) -> str:
+    """``clients 6, 7 (node 4: offline); client 13 (DataError: ...)`` (one line)."""
+    by_reason: dict[str, list[int]] = {}
+    for c, reason in missing.items():
+        by_reason.setdefault(reason, []).append(c)
+    parts = []
+    for reason, clients in by_reason.items():
+        label = "client" if len(clients) == 1 else "clients"
+        parts.append(f"{label} {', '.join(map(str, clients))} ({' '.join(reason.split())})")
+    return "; ".join(parts)
 
 
 class FlowerBackend(ClientClock):
@@ -171,28 +290,42 @@ class FlowerBackend(ClientClock):
         grid: Grid,
         model: nn.Module,
         federation: FederationInfo,
-        nodes: dict[int, int],
+        fleet: Fleet,
         experiment: str,
         seed: int,
-        timeout: float | None = None,
-        min_replies: float = 1.0,
-        offline: dict[int, str] | None = None,
+        deployment: DeploymentConfig | None = None,
+        expected: NodeManifest | None = None,
     ) -> None:
         self.grid = grid
-        self.offline = {} if offline is None else offline
-        """Node -> why: nodes the SuperLink reported offline, not asked again (shared
-        by the jobs of a seed)."""
-        self.min_replies = min_replies
+        self.fleet = fleet
+        self.deployment = DeploymentConfig() if deployment is None else deployment
+        self.expected = expected
         self.model = model
         self.layout = ParamLayout(model)
         self.federation = federation
-        self.nodes = nodes
         self.seed = seed
-        self.timeout = timeout
         self._experiment = experiment
         self.drifts: dict[int, list[DriftEvent]] = {}
         """Client -> the job's drift events so far: its node applies them to its own
         data before computing (every message carries its clients' events)."""
+        self.asked: set[int] = set()
+        """The clients asked this round (for the round's ``replies/asked`` line)."""
+        self.replied: set[int] = set()
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a request waits: ``deployment.round_timeout`` when set, else
+        ``timeout_factor`` × the slowest round trip measured so far, at least
+        ``timeout_floor`` (before any is measured: ``FIRST_TIMEOUT_FLOORS`` floors)."""
+        d = self.deployment
+        if d.round_timeout is not None:
+            return d.round_timeout
+        if not self.fleet.round_trip:
+            return FIRST_TIMEOUT_FLOORS * d.timeout_floor
+        return max(d.timeout_floor, d.timeout_factor * self.fleet.round_trip)
+
+    def _measured(self, got: Collected) -> None:
+        self.fleet.round_trip = max(self.fleet.round_trip, got.seconds)
 
     def drift(self, event: DriftEvent) -> str:
         """Record a drift event of the job (the runner calls it at the start of the
@@ -201,6 +334,69 @@ class FlowerBackend(ClientClock):
         self.drifts.setdefault(event.client, []).append(event)
         return planned_detail(event) or "two of its labels, drawn on its node"
 
+    def start_round(self, rnd: int) -> tuple[np.ndarray, list[tuple[int, str, str]]]:
+        """Rediscover the nodes at the start of round ``rnd``; the clients within reach
+        (a mask: the others are not available for selection) and the round's events.
+
+        A node the SuperLink lists that has not answered ``query.setup`` since it
+        was lost or since it connected (a restarted SuperNode registers under a new
+        node id) is asked which clients it holds. Its clients that were out of
+        reach come back: ``rejoined`` when a node served them before in this seed
+        (the algorithms keep or choose again their cluster by their own rules),
+        ``joined`` when none had (newcomers). A client whose file's hash differs
+        from the server's manifest stays out, with that reason.
+        """
+        self.asked, self.replied = set(), set()
+        fleet = self.fleet
+        probe = sorted(set(self.grid.get_node_ids()) - fleet.answered)
+        events = self._probe(rnd, probe) if probe else []
+        reachable = np.ones(self.federation.n_clients, dtype=bool)
+        reachable[list(fleet.missing(self.federation.n_clients))] = False
+        return reachable, events
+
+    def _probe(self, rnd: int, probe: list[int]) -> list[tuple[int, str, str]]:
+        """Ask the nodes ``probe`` which clients they hold; the events of those back."""
+        fleet = self.fleet
+        got, answered = _ask_setup(self.grid, probe, self._experiment, self.seed, self.timeout)
+        self._measured(got)
+        events: list[tuple[int, str, str]] = []
+        for node, (_, clients) in answered.items():
+            for c, one in clients:
+                if not 0 <= c < self.federation.n_clients:
+                    log.warning(
+                        "round %d: node %s holds client %s, not in the federation", rnd, node, c
+                    )
+                    continue
+                now = fleet.nodes.get(c)
+                out = c in fleet.unavailable or now in fleet.lost or now is None
+                if not out and now != node:
+                    log.warning(
+                        "round %d: client %s is served by node %s; node %s holds it too and "
+                        "is not asked for it",
+                        rnd,
+                        c,
+                        now,
+                        node,
+                    )
+                    continue
+                fleet.nodes[c] = node
+                reason = refusal(c, node, one, self.expected)
+                if reason is not None:
+                    fleet.unavailable[c] = reason
+                    log.warning(
+                        "round %d: client %s (node %s) cannot take part: %s", rnd, c, node, reason
+                    )
+                    continue
+                fleet.unavailable.pop(c, None)
+                if out:
+                    kind = "rejoined" if c in fleet.seen else "joined"
+                    events.append((c, kind, f"node {node}"))
+                    log.warning("round %d: client %s %s (node %s)", rnd, c, kind, node)
+                fleet.seen.add(c)
+            fleet.answered.add(node)
+            fleet.lost.pop(node, None)
+        return events
+
     def run(
         self, computation: ClientComputation, clients: np.ndarray, request: Request
     ) -> Returned:
@@ -208,17 +404,20 @@ class FlowerBackend(ClientClock):
         against the computation's declared reply (:func:`assemble`).
 
         A client whose node fails (its error travels back), who fails on its node,
-        or whose node does not answer within ``timeout``
-        (``deployment.round_timeout``) is reported as failed: the channel treats it
-        like the simulator's failing clients. Fewer replies than ``min_replies`` (a
-        fraction of the clients asked) end the run with one line naming the
-        clients and their errors (:func:`~fedcluster.flower.collect.check_enough`).
-        A client its node declared unavailable at setup, or whose node the
-        SuperLink has reported offline (no heartbeat for 2 × its interval, 60 s
-        by default), is not asked (it fails with that reason) and does not count
-        towards ``min_replies``: the run goes on without it.
+        or whose node does not answer within :attr:`timeout` is reported as failed:
+        the channel treats it like the simulator's failing clients. A node the
+        SuperLink reports offline (no heartbeat for 2 × its interval, 60 s by
+        default) or that did not answer in time is *lost*: its clients are not
+        asked again until it answers a rediscovery (:meth:`start_round`). Clients
+        out of reach (a lost node's, or unavailable since setup) fail with that
+        reason without being asked. The run ends with one line naming the missing
+        clients and nodes (:class:`~fedcluster.flower.collect.TooFewReplies`) only
+        when fewer than ``min_replies`` of the federation's clients are within
+        reach, or fewer than ``min_replies`` of the clients asked on the nodes
+        that answered replied.
         """
         clients = np.asarray(clients, dtype=np.int64)
+        fleet = self.fleet
         base = {
             "experiment": self._experiment,
             "seed": self.seed,
@@ -226,14 +425,13 @@ class FlowerBackend(ClientClock):
             "computation_module": computation.module,
         }
         replies: list[Payload | str | None] = [None] * len(clients)
-        unavailable = self.federation.unavailable
         by_node: dict[int, list[int]] = {}
         for i, c in enumerate(clients):
-            node = self.nodes[int(c)]
-            if int(c) in unavailable:  # its node said so at setup: not asked again
-                replies[i] = f"unavailable: {unavailable[int(c)]}"
-            elif node in self.offline:
-                replies[i] = f"unavailable: its node is offline ({self.offline[node]})"
+            node = fleet.nodes.get(int(c))
+            if int(c) in fleet.unavailable:  # not asked until its node is rediscovered
+                replies[i] = f"unavailable: {fleet.unavailable[int(c)]}"
+            elif node in fleet.lost:
+                replies[i] = f"unavailable: its node {node} is lost ({fleet.lost[node]})"
             else:
                 by_node.setdefault(node, []).append(i)
         messages = []
@@ -260,13 +458,16 @@ class FlowerBackend(ClientClock):
                 what=what,
                 name=lambda n: f"node {n} (clients {', '.join(map(str, clients[by_node[n]]))})",
             )
-        for node in got.offline:
-            self.offline[node] = got.failures[node]
+        self._measured(got)
+        for node in got.offline | got.timed_out:
+            reason = "offline" if node in got.offline else got.failures[node]
+            fleet.lost[node] = reason
+            fleet.answered.discard(node)
             log.warning(
-                "%s: node %s is offline; its clients (%s) are not asked again: %s",
+                "%s: node %s is lost; its clients (%s) are not asked until it is back: %s",
                 what,
                 node,
-                ", ".join(str(c) for c, n in self.nodes.items() if n == node),
+                ", ".join(str(c) for c, n in fleet.nodes.items() if n == node),
                 got.failures[node],
             )
         for node, positions in by_node.items():
@@ -278,13 +479,28 @@ class FlowerBackend(ClientClock):
                 replies[i] = answer
                 if isinstance(answer, str) and node in got.replies:
                     log.warning("%s: client %d failed: %s", what, clients[i], answer)
-        asked = [i for positions in by_node.values() for i in positions]
-        failures = {int(clients[i]): replies[i] for i in asked if isinstance(replies[i], str)}
+        self.asked.update(int(c) for c in clients)
+        self.replied.update(
+            int(c) for c, r in zip(clients, replies, strict=True) if not isinstance(r, str)
+        )
+        live = [
+            i for node, positions in by_node.items() if node not in fleet.lost for i in positions
+        ]
+        failures = {int(clients[i]): replies[i] for i in live if isinstance(replies[i], str)}
         check_enough(
             what,
-            len(asked),
-            len(asked) - len(failures),
-            self.min_replies,
+            len(live),
+            len(live) - len(failures),
+            self.deployment.min_replies,
             "; ".join(f"client {c}: {r}" for c, r in failures.items()),
         )
+        n = self.federation.n_clients
+        missing = fleet.missing(n)
+        if required(n, self.deployment.min_replies) > n - len(missing):
+            raise TooFewReplies(
+                f"{what}: {n - len(missing)} of the federation's {n} clients are within reach, "
+                f"{required(n, self.deployment.min_replies)} needed "
+                f"(deployment.min_replies={self.deployment.min_replies:g}); missing: "
+                + describe_missing(missing)
+            )
         return assemble(computation, request, replies)

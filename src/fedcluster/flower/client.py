@@ -83,9 +83,19 @@ def _simulator(context: Context, experiment: str, seed: int, client: int) -> Sim
     return _client(experiment, seed, own)
 
 
-def _error(exc: BaseException) -> str:
-    """A client's error as it travels back (one line)."""
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
+def _error(exc: BaseException, context: Context | None = None) -> str:
+    """A client's error as it travels back (one line), without the node's data path:
+    the server learns the client and its file's name, never where the node keeps it."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    data = context.node_config.get("data") if context is not None else None
+    if data:
+        from pathlib import Path
+
+        path = Path(str(data))
+        for place in {str(path.absolute()), str(path)}:
+            folder = place if path.is_dir() else str(Path(place).parent)
+            text = text.replace(folder + "/", "").replace(place, "<node data>")
+    return text
 
 
 def _answer(msg: Message, content: RecordDict) -> Message:
@@ -94,19 +104,29 @@ def _answer(msg: Message, content: RecordDict) -> Message:
 
 @client_app.query("setup")
 def setup(msg: Message, context: Context) -> Message:
-    """The node's clients: per client its sample counts and ground-truth group (−1:
-    none), or why it cannot take part (``j|error``, e.g. a corrupt data file: the
-    node's other clients still serve); the data shape and the federation's size
-    (−1: unknown)."""
+    """The node's clients: per client its sample counts, ground-truth group (−1:
+    none), its data file's name and SHA-256 as computed here (the server checks it
+    against its own manifest), or why it cannot take part (``j|error``, e.g. a
+    corrupt data file: the node's other clients still serve); the data shape and
+    the federation's size (−1: unknown). An error of the whole node travels back
+    without the node's paths."""
+    try:
+        return _setup(msg, context)
+    except Exception as exc:  # noqa: BLE001 -- one line, the node's paths left out
+        log.exception("setup failed")
+        raise RuntimeError(_error(exc, context)) from None
+
+
+def _setup(msg: Message, context: Context) -> Message:
     config = protocol.settings(msg.content)
     experiment, seed = str(config["experiment"]), int(config["seed"])
     data = context.node_config.get("data")
     manifest = None
     if data:
-        from fedcluster.flower.nodedata import check_seed, node_clients
+        from fedcluster.flower.nodedata import check_seed, node_clients, sha256
 
         check_seed(str(data), seed)
-        manifest, _, clients = node_clients(str(data))
+        manifest, folder, clients = node_clients(str(data))
     else:
         clients = [int(context.node_config["partition-id"])]
     info: dict[str, Any] = {
@@ -117,6 +137,11 @@ def setup(msg: Message, context: Context) -> Message:
         info.update(n_classes=manifest.n_classes, input_shape=list(manifest.input_shape))
     for j, client in enumerate(clients):
         head = protocol.prefix(j)
+        if manifest is not None:
+            file = folder / manifest.clients[client]["file"]
+            info[head + "file"] = file.name
+            if file.is_file():
+                info[head + "sha256"] = sha256(file)
         try:
             fed = _simulator(context, experiment, seed, client).federation
         except Exception as exc:  # noqa: BLE001 -- travels back; the node's other clients serve
@@ -129,7 +154,7 @@ def setup(msg: Message, context: Context) -> Message:
                     head + "train_size": entry["train_size"],
                     head + "test_size": entry["test_size"],
                     head + "group": -1 if entry["group"] is None else entry["group"],
-                    head + protocol.ERROR: _error(exc),
+                    head + protocol.ERROR: _error(exc, context),
                 }
             )
             continue
@@ -170,7 +195,7 @@ def _compute(msg: Message, context: Context) -> Message:
             reply = computation.run(sim, np.array([0]), request)
         except Exception as exc:  # noqa: BLE001 -- travels back as this client's error
             log.exception("client %d: %s failed", client, computation.name)
-            replies.append(_error(exc))
+            replies.append(_error(exc, context))
             continue
         replies.append({k: v[0] for k, v in reply.items()})
     return _answer(msg, protocol.encode_replies(replies))

@@ -55,6 +55,10 @@ class Collected:
     offline: set[Hashable] = field(default_factory=set)
     """Keys whose node the SuperLink reported offline (Flower's ``NODE_UNAVAILABLE``
     error: no heartbeat within 2 × its interval)."""
+    timed_out: set[Hashable] = field(default_factory=set)
+    """Keys not answered within the timeout."""
+    seconds: float = 0.0
+    """From sending to the last reply that arrived (the slowest round trip measured)."""
 
     def describe_failures(self) -> str:
         """``client 3: timeout; client 5: node error: ...`` (one line)."""
@@ -115,7 +119,8 @@ def collect(
             pending[str(mid)] = key
         else:
             out.failures[key] = "the SuperLink did not accept the message"
-    deadline = None if round_timeout is None else clock() + round_timeout
+    start = clock()
+    deadline = None if round_timeout is None else start + round_timeout
     wait = 0.02
     while pending:
         for reply in grid.pull_messages(list(pending)):
@@ -128,6 +133,7 @@ def collect(
                     out.offline.add(key)
             else:
                 out.replies[key] = reply
+            out.seconds = clock() - start
         if not pending or (deadline is not None and clock() >= deadline):
             break
         pause = wait if deadline is None else min(wait, max(0.0, deadline - clock()))
@@ -135,6 +141,7 @@ def collect(
         wait = min(0.5, wait * 1.5)
     for key in pending.values():
         out.failures[key] = f"{TIMEOUT} (no reply within {round_timeout:g} s)"
+        out.timed_out.add(key)
     for key, reason in out.failures.items():
         log.warning("%s: %s did not answer: %s", what, name(key), reason)
     if min_replies is not None:

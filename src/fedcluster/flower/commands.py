@@ -1,14 +1,16 @@
-"""The ``fedcluster flower export | app | local`` commands (docs/flower.md).
+"""The ``fedcluster flower export | app | status | local`` commands (docs/flower.md).
 
 They take the config flags of ``fedcluster run`` (config, ``--preset``,
 ``--set``, ``--rounds``, ``--seed``, ``--data-dir``) and hand the resolved
 experiment to :mod:`~fedcluster.flower.export`, :mod:`~fedcluster.flower.app`
-and :mod:`~fedcluster.flower.launcher`.
+and :mod:`~fedcluster.flower.launcher`. ``status RUN`` reads the final status
+the deployed ServerApp wrote (:data:`fedcluster.flower.app.STATUS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +23,8 @@ def flower_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """Run ``fedcluster flower <args.flower_command>``; the exit code."""
     from fedcluster.config import resolve_config
 
+    if args.flower_command == "status":
+        return run_status(Path(args.run))
     config = resolve_config(args.config, args.preset, args.sets, overrides)
     if args.flower_command == "export":
         return _export(config, args)
@@ -31,7 +35,7 @@ def flower_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if args.flower_command == "app":
         from fedcluster.flower.app import write_app
 
-        folder = write_app(args.dir, config, out=args.out)
+        folder = write_app(args.dir, config, out=args.out, manifest=args.manifest)
         print(f"fedcluster: Flower App written to {folder}; run it with `flwr run {folder} <conn>`")
         return 0
     if args.flower_command == "local":
@@ -51,6 +55,34 @@ def flower_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         _print_summary(out)
         return 0
     raise FedclusterError(f"unknown flower command {args.flower_command!r}")
+
+
+def read_status(run: Path) -> dict[str, str]:
+    """The final status a deployed run's ServerApp wrote; a one-line error when there is none."""
+    from fedcluster.flower.app import STATUS
+
+    path = run / STATUS
+    if not path.is_file():
+        raise FedclusterError(
+            f"{run}: no final status ({path.name}): the ServerApp is still running or "
+            "ended without writing it; see flwr-run.log (fedcluster flower local: "
+            f"{run / 'deployment' / 'flwr-run.log'}) or `flwr ls`"
+        )
+    try:
+        status = json.loads(path.read_text())
+        return {"status": str(status["status"]), "reason": str(status.get("reason", ""))}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FedclusterError(f"{path}: not a run status ({exc})") from None
+
+
+def run_status(run: Path) -> int:
+    """``fedcluster flower status RUN``: print the outcome; 0 completed, 1 failed."""
+    status = read_status(run)
+    if status["status"] == "completed":
+        print(f"{run}: completed")
+        return 0
+    print(f"{run}: {status['status']}: {status['reason']}")
+    return 1
 
 
 def _export(config, args: argparse.Namespace) -> int:

@@ -20,7 +20,8 @@ starts, and the SuperLink (``--enable-supernode-auth``) refuses unregistered
 nodes.
 
 ``flwr run`` exits 0 even when the ServerApp raised, so success is read from
-the run directory: ``summary.json`` is written last by the runner. Files under
+the run directory: the ServerApp writes ``status.json`` last (completed, or
+failed with its one-line reason; ``fedcluster flower status RUN``). Files under
 ``RUN/deployment/``: ``nodes.json`` (each node's pid, clients, data folder,
 log), ``superlink.log``, ``node-K.log``, ``flwr-run.log``, the app folder,
 certificates and keys.
@@ -49,7 +50,8 @@ from typing import IO
 
 from fedcluster.config import ExperimentConfig
 from fedcluster.errors import FedclusterError
-from fedcluster.flower.app import write_app
+from fedcluster.flower.app import STATUS, write_app
+from fedcluster.flower.commands import read_status
 from fedcluster.flower.export import export_federation, spread_clients
 from fedcluster.flower.nodedata import write_manifest
 
@@ -191,6 +193,8 @@ class NodeProcess:
     port: int
     proc: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
+    command: list[str] = field(default_factory=list)
+    """The node's ``flower-supernode`` command line (restart a node with it)."""
 
 
 @dataclass
@@ -210,6 +214,11 @@ class LocalDeployment:
     port: int = 0
     certs: dict[str, Path] = field(default_factory=dict)
     reported: set[int] = field(default_factory=set)
+    host: str = "127.0.0.1"
+    """The address the SuperLink listens on (``0.0.0.0``: every interface)."""
+    places: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """Node index -> (network namespace, the SuperLink's host as seen from it): such a
+    node and its worker run in that namespace (``ip netns exec``), as on another host."""
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder).absolute()
@@ -219,6 +228,11 @@ class LocalDeployment:
         self.env["PYTHONUNBUFFERED"] = "1"
         if self.tls:
             self.certs = make_tls(self.folder / "certs")
+
+    @property
+    def dial(self) -> str:
+        """The SuperLink's address from this machine's root namespace."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "127.0.0.1") else self.host
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -250,7 +264,7 @@ class LocalDeployment:
         args = [
             _tool("flower-superlink"),
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--disable-runtime-dependency-installation",
@@ -281,7 +295,7 @@ class LocalDeployment:
                     f"flower-superlink exited with code {proc.returncode}: {last_error(log)}"
                 )
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                with socket.create_connection((self.dial, port), timeout=1):
                     return
             except OSError:
                 time.sleep(0.2)
@@ -293,7 +307,7 @@ class LocalDeployment:
         security = f'root-certificates = "{self.certs["ca"]}"' if self.tls else "insecure = true"
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n{security}\n'
+            f'[superlink.{CONNECTION}]\naddress = "{self.dial}:{self.port}"\n{security}\n'
         )
 
     def flwr(self, *args: str, log: Path | None = None, timeout: float = 120.0) -> str:
@@ -320,11 +334,14 @@ class LocalDeployment:
 
     def start_node(self, index: int, clients: list[int], data: Path) -> NodeProcess:
         node = NodeProcess(index, clients, data, self.folder / f"node-{index}.log", free_port())
+        netns, superlink = self.places.get(index, ("", self.dial))
+        inside = ["ip", "netns", "exec", netns] if netns else []
         args = [
+            *inside,
             _tool("flower-supernode"),
             *self._security(),
             "--superlink",
-            f"127.0.0.1:{self.port}",
+            f"{superlink}:{self.port}",
             "--port",
             str(node.port),
             "--node-config",
@@ -336,9 +353,11 @@ class LocalDeployment:
             args += ["--auth-supernode-private-key", str(key)]
         if self.isolation == "process":
             args += ["--isolation", "process"]
+        node.command = args
         node.proc = self._spawn(args, node.log, f"node-{index}")
         if self.isolation == "process":
             worker = [
+                *inside,
                 sys.executable,
                 "-m",
                 "fedcluster.flower.worker",
@@ -376,7 +395,7 @@ class LocalDeployment:
         path = self.folder / "nodes.json"
         info = {
             "superlink": {
-                "address": f"127.0.0.1:{self.port}",
+                "address": f"{self.host}:{self.port}",
                 "pid": self.procs[0].pid if self.procs else None,
                 "log": str(self.folder / "superlink.log"),
                 "tls": self.tls,
@@ -391,6 +410,8 @@ class LocalDeployment:
                     "data": str(n.data),
                     "log": str(n.log),
                     "runtime_port": n.port,
+                    "command": n.command,
+                    "env": {"FLWR_HOME": self._env(f"node-{n.index}")["FLWR_HOME"]},
                 }
                 for n in self.nodes
             ],
@@ -530,10 +551,14 @@ def run_local(
     timeout: float | None = None,
     isolation: str = "process",
     emit: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    host: str = "127.0.0.1",
+    places: dict[int, tuple[str, str]] | None = None,
 ) -> Path:
     """Run ``config`` on a SuperLink and ``n_nodes`` SuperNodes on loopback, writing
     the run directory ``out`` (with ``out/deployment/``); raises
-    :class:`DeploymentError` when the run failed. ``timeout`` bounds the run (seconds)."""
+    :class:`DeploymentError` when the run failed. ``timeout`` bounds the run (seconds).
+    ``host`` and ``places`` (:class:`LocalDeployment`) put nodes in network namespaces
+    of their own: several hosts on one machine."""
     out = Path(out).absolute()
     if out.exists() and any(out.iterdir()):
         raise FedclusterError(f"run directory {out} is not empty; choose another --out")
@@ -550,15 +575,11 @@ def run_local(
     data = place_node_data(export, blocks, folder / "data")
     shutil.move(str(export / "manifest.json"), folder / "manifest.json")
     export.rmdir()
-    app = write_app(
-        folder / "app",
-        config,
-        out=str(out),
-        round_timeout=config.deployment.round_timeout or 0.0,
-        min_replies=config.deployment.min_replies,
-    )
+    app = write_app(folder / "app", config, out=str(out), manifest=folder / "manifest.json")
 
-    dep = LocalDeployment(folder, tls=tls, auth=auth, isolation=isolation)
+    dep = LocalDeployment(
+        folder, tls=tls, auth=auth, isolation=isolation, host=host, places=dict(places or {})
+    )
     stopped = False
 
     def stop(*_: object) -> None:
@@ -576,7 +597,7 @@ def run_local(
     try:
         dep.start_superlink()
         emit(
-            f"fedcluster: SuperLink on 127.0.0.1:{dep.port} "
+            f"fedcluster: SuperLink on {host}:{dep.port} "
             f"(tls={tls}, auth={auth}, ClientApp isolation={isolation})"
         )
         for k, (block, path) in enumerate(zip(blocks, data, strict=True)):
@@ -616,26 +637,28 @@ def _submit_and_wait(
         )
         dep.procs.append(run)
         try:
-            while run.poll() is None:
-                if (out / "summary.json").exists():
-                    break
+            while run.poll() is None and not (out / STATUS).exists():
                 dep.check_alive(emit)
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise DeploymentError(
                         f"the run did not finish within {timeout:g} s; logs in {dep.folder}"
                     )
                 time.sleep(0.5)
-            end = time.monotonic() + 30  # the ServerApp writes summary.json last
-            while not (out / "summary.json").exists() and time.monotonic() < end:
-                if run.poll() is not None and time.monotonic() > end - 25:
-                    break
+            end = time.monotonic() + 30  # flwr streams the ServerApp's last lines, then exits
+            while run.poll() is None and time.monotonic() < end:
                 time.sleep(0.5)
         finally:
             progress.done.set()
             progress.join(timeout=5)
-    if not (out / "summary.json").exists():
+    if not (out / STATUS).exists():
         raise DeploymentError(
-            f"the ServerApp failed (no {out / 'summary.json'}): "
+            f"the ServerApp failed (no {out / STATUS}): "
             f"{last_error(dep.folder / 'flwr-run.log')}; logs in {dep.folder}"
+        )
+    status = read_status(out)
+    if status["status"] != "completed":
+        raise DeploymentError(
+            f"the ServerApp failed: {status['reason']}; logs in {dep.folder} "
+            f"(`fedcluster flower status {out}`)"
         )
     emit(f"fedcluster: run finished in {time.monotonic() - start:.1f} s -> {out}")

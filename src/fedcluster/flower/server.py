@@ -24,17 +24,34 @@ Not supported (a clear error, before any message is sent): the
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, NoReturn
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
+from fedcluster.callbacks import Callback, JobInfo
 from fedcluster.config import ExperimentConfig, dump_config
 from fedcluster.engine.backend import FederationView
-from fedcluster.errors import ConfigError
-from fedcluster.flower.backend import FederationInfo, FlowerBackend, discover
+from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.flower import protocol
+from fedcluster.flower.app import STATUS
+from fedcluster.flower.backend import (
+    FIRST_TIMEOUT_FLOORS,
+    FederationInfo,
+    Fleet,
+    FlowerBackend,
+    describe_missing,
+    discover,
+)
 from fedcluster.flower.client import client_app
+from fedcluster.flower.collect import TooFewReplies, required
+from fedcluster.flower.nodedata import NodeManifest
 from fedcluster.runner import Experiment, JobResult
 
 
@@ -57,42 +74,74 @@ def check_supported(config: ExperimentConfig) -> None:
 class FlowerBackends:
     """The Flower backend factory of :class:`~fedcluster.runner.Experiment`: each seed's
     federation as the nodes report it (``query.setup``), and a backend sending the
-    client computations to those nodes."""
+    client computations to those nodes. ``expected`` is the server's manifest of the
+    exported data (:func:`~fedcluster.flower.backend.discover`)."""
 
-    def __init__(self, config: ExperimentConfig, grid: Grid, timeout: float | None = None):
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        grid: Grid,
+        timeout: float | None = None,
+        expected: NodeManifest | None = None,
+    ):
         check_supported(config)
         self.grid = grid
-        self.timeout = timeout if timeout is not None else config.deployment.round_timeout
-        self.min_replies = config.deployment.min_replies
+        self.deployment = config.deployment
+        if timeout is not None:
+            self.deployment = self.deployment.model_copy(update={"round_timeout": timeout})
+        self.expected = expected
         self._text = dump_config(config)
-        self._nodes: dict[int, dict[int, int]] = {}
-        self._offline: dict[int, dict[int, str]] = {}
+        self._fleets: dict[int, Fleet] = {}
+        self.current: FlowerBackend | None = None
+        """The backend of the job running now (its round's ``replies/asked``)."""
 
     def federation(self, seed: int) -> FederationInfo:
-        info, self._nodes[seed] = discover(self.grid, self._text, seed, self.timeout)
-        self._offline[seed] = {}  # nodes lost during the seed's jobs
+        timeout = self.deployment.round_timeout
+        if timeout is None:
+            timeout = FIRST_TIMEOUT_FLOORS * self.deployment.timeout_floor
+        info, nodes = discover(self.grid, self._text, seed, timeout, self.expected)
+        self._fleets[seed] = Fleet(
+            nodes,
+            dict(info.unavailable),
+            answered=set(nodes.values()),
+            seen={c for c in nodes if c not in info.unavailable},
+        )
+        n = info.n_clients
+        missing = self._fleets[seed].missing(n)
+        need = required(n, self.deployment.min_replies)
+        if n - len(missing) < need:
+            raise TooFewReplies(
+                f"{protocol.SETUP}: {n - len(missing)} of the federation's {n} clients are "
+                f"within reach, {need} needed (deployment.min_replies="
+                f"{self.deployment.min_replies:g}); missing: {describe_missing(missing)}"
+            )
         return info
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> FlowerBackend:
         assert isinstance(federation, FederationInfo)
-        return FlowerBackend(
+        self.current = FlowerBackend(
             self.grid,
             model,
             federation,
-            self._nodes[seed],
+            self._fleets[seed],
             self._text,
             seed,
-            self.timeout,
-            self.min_replies,
-            self._offline[seed],
+            self.deployment,
+            self.expected,
         )
+        return self.current
 
 
 def flower_experiment(
-    config: ExperimentConfig, grid: Grid, timeout: float | None = None
+    config: ExperimentConfig,
+    grid: Grid,
+    timeout: float | None = None,
+    expected: NodeManifest | None = None,
+    callbacks: list[Callback] | None = None,
 ) -> Experiment:
     """The runner's experiment with its client computations on Flower nodes."""
-    return Experiment(config, backend_factory=FlowerBackends(config, grid, timeout))
+    factory = FlowerBackends(config, grid, timeout, expected)
+    return Experiment(config, backend_factory=factory, callbacks=callbacks or [])
 
 
 def make_server_app(
@@ -141,6 +190,83 @@ def run_simulation(
     return results
 
 
+class RoundLine(Callback):
+    """One line per round on the ServerApp's output, which ``flwr run --stream`` shows:
+    ``fedcluster: ifca seed 0 round 2/3: accuracy 0.8123, clusters 4, replies 18/24``."""
+
+    def __init__(self, factory: FlowerBackends, rounds: int, emit=print) -> None:
+        self.factory, self.rounds, self.emit = factory, rounds, emit
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        backend = self.factory.current
+        asked = replied = 0
+        if backend is not None:
+            asked, replied = len(backend.asked), len(backend.replied & backend.asked)
+        clusters = row.get("n_clusters")
+        self.emit(
+            f"fedcluster: {job.label} seed {job.seed} round {rnd}/{self.rounds}: "
+            f"accuracy {_number(row.get('accuracy'))}, clusters {_number(clusters, 'd')}, "
+            f"replies {replied}/{asked}",
+            flush=True,
+        )
+
+
+def _number(value: Any, spec: str = ".4f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(int(value) if spec == "d" else float(value), spec)
+
+
+def write_status(out: str | Path, status: str, reason: str = "") -> Path:
+    """Write the run directory's final status (:data:`~fedcluster.flower.app.STATUS`)."""
+    path = Path(out) / STATUS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = {
+        "status": status,
+        "reason": reason,
+        "finished": f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}",
+    }
+    path.write_text(json.dumps(text, indent=1) + "\n")
+    return path
+
+
+def run_deployed(
+    config: ExperimentConfig, out: str, grid: Grid, expected: NodeManifest | None
+) -> None:
+    """Run ``config`` on the grid's nodes, one line per round on stdout; the run
+    directory's status (:data:`~fedcluster.flower.app.STATUS`) records the outcome.
+    A fedcluster error (too few replies, bad data, a bad config) is one line,
+    logged and re-raised without its traceback so that Flower marks the run failed."""
+    factory = FlowerBackends(config, grid, expected=expected)
+    experiment = Experiment(
+        config, backend_factory=factory, callbacks=[RoundLine(factory, config.rounds)]
+    )
+    try:
+        experiment.run(out, progress=False)
+    except FedclusterError as exc:
+        _fail(out, exc)
+    except BaseException as exc:
+        write_status(out, "failed", " ".join(f"{type(exc).__name__}: {exc}".split()))
+        raise
+    write_status(out, "completed")
+
+
+class RunFailed(FedclusterError):
+    """The deployed run stopped (its reason is in the run directory's status)."""
+
+
+def _fail(out: str, exc: FedclusterError) -> NoReturn:
+    """End the ServerApp with one line: logged, in the run directory's status (when
+    ``out`` is known), and raised without a traceback so that Flower marks the run
+    failed (``flwr ls``)."""
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if out:
+        write_status(out, "failed", reason)
+    print(f"fedcluster: the run failed: {reason}", file=sys.stderr, flush=True)
+    sys.tracebacklimit = 0  # the process ends with this exception: its line, no traceback
+    raise RunFailed(reason) from None
+
+
 server_app = ServerApp()
 
 
@@ -149,6 +275,8 @@ def _deployed(grid: Grid, context: Context) -> None:
     """``flwr run`` entry point: the run config names the experiment and the output."""
     from fedcluster.flower.app import config_from_run
 
-    config, out = config_from_run(context.run_config)
-    timeout = config.deployment.round_timeout
-    flower_experiment(config, grid, timeout=timeout).run(out, progress=False)
+    try:
+        config, out, expected = config_from_run(context.run_config)
+    except FedclusterError as exc:
+        _fail(str(context.run_config.get("out") or ""), exc)
+    run_deployed(config, out, grid, expected)
