@@ -163,3 +163,23 @@ def test_bad_arguments_are_one_line_errors(user, tmp_path):
         fedcluster.run(algorithms=[{"name": "ifca", "params": {"n_clusters": 0}}], out=tmp_path)
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         fedcluster.IFCA(n_clusters=0)  # the typed object validates as the YAML does
+
+
+def test_a_factory_that_changed_since_the_run_stops_resume_in_one_line(user, tmp_path, capsys):
+    with pytest.raises(Killed):
+        fedcluster.run(
+            model=user.make_model,
+            federation=user.make_federation,
+            algorithms=["fedavg"],
+            out=tmp_path / "killed",
+            callbacks=[KillAfter(2)],
+            **SETTINGS,
+        )
+    source = Path(user.__file__)
+    source.write_text(source.read_text().replace("nn.Linear(64, 16)", "nn.Linear(64, 32)"))
+    sys.modules.pop("usermod")
+    capsys.readouterr()
+    assert main(["resume", str(tmp_path / "killed"), "--quiet", "--no-report"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"fedcluster: error: cannot resume {tmp_path}")
+    assert "still match the run's checkpoints" in err
