@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fedcluster
 from fedcluster.cli import main
@@ -71,6 +72,7 @@ def _metrics(path: Path) -> list[dict[str, str]]:
 
 
 def test_a_run_with_factories_resumes_from_the_cli_to_the_same_metrics(user, tmp_path):
+    threads = torch.get_num_threads()
     full = fedcluster.run(
         model=user.make_model,
         federation=user.make_federation,
@@ -80,6 +82,7 @@ def test_a_run_with_factories_resumes_from_the_cli_to_the_same_metrics(user, tmp
         **SETTINGS,
     )
     assert sorted(full.final_accuracy()) == ["fedavg", "ifca"]
+    assert torch.get_num_threads() == threads  # the worker threads' setting is restored
     config = load_yaml(tmp_path / "full" / "config.yaml")
     assert config["model"]["name"] == "usermod:make_model"
     assert config["data"]["federation"] == "usermod:make_federation"
