@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fedcluster
 from fedcluster.cli import main
@@ -71,6 +72,7 @@ def _metrics(path: Path) -> list[dict[str, str]]:
 
 
 def test_a_run_with_factories_resumes_from_the_cli_to_the_same_metrics(user, tmp_path):
+    threads = torch.get_num_threads()
     full = fedcluster.run(
         model=user.make_model,
         federation=user.make_federation,
@@ -80,6 +82,7 @@ def test_a_run_with_factories_resumes_from_the_cli_to_the_same_metrics(user, tmp
         **SETTINGS,
     )
     assert sorted(full.final_accuracy()) == ["fedavg", "ifca"]
+    assert torch.get_num_threads() == threads  # the worker threads' setting is restored
     config = load_yaml(tmp_path / "full" / "config.yaml")
     assert config["model"]["name"] == "usermod:make_model"
     assert config["data"]["federation"] == "usermod:make_federation"
@@ -163,3 +166,23 @@ def test_bad_arguments_are_one_line_errors(user, tmp_path):
         fedcluster.run(algorithms=[{"name": "ifca", "params": {"n_clusters": 0}}], out=tmp_path)
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         fedcluster.IFCA(n_clusters=0)  # the typed object validates as the YAML does
+
+
+def test_a_factory_that_changed_since_the_run_stops_resume_in_one_line(user, tmp_path, capsys):
+    with pytest.raises(Killed):
+        fedcluster.run(
+            model=user.make_model,
+            federation=user.make_federation,
+            algorithms=["fedavg"],
+            out=tmp_path / "killed",
+            callbacks=[KillAfter(2)],
+            **SETTINGS,
+        )
+    source = Path(user.__file__)
+    source.write_text(source.read_text().replace("nn.Linear(64, 16)", "nn.Linear(64, 32)"))
+    sys.modules.pop("usermod")
+    capsys.readouterr()
+    assert main(["resume", str(tmp_path / "killed"), "--quiet", "--no-report"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"fedcluster: error: cannot resume {tmp_path}")
+    assert "still match the run's checkpoints" in err

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from fedcluster.errors import ConfigError
 
-Kind = Literal["algorithm", "partition", "dataset", "model", "loss", "federation"]
+Kind = Literal["algorithm", "partition", "dataset", "model", "federation"]
 GROUPS: dict[str, str] = {
     "algorithm": "fedcluster.algorithms",
     "partition": "fedcluster.partitions",

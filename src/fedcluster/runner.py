@@ -512,4 +512,13 @@ def resume(
     else:
         experiment = Experiment(config, model=model, federation=federation)
     experiment.callbacks += list(callbacks)
-    return experiment.run(path, resume=True, progress=progress)
+    try:
+        return experiment.run(path, resume=True, progress=progress)
+    except FedclusterError:
+        raise
+    except (RuntimeError, ValueError) as exc:  # a tensor shape: the rebuilt objects differ
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FedclusterError(
+            f"cannot resume {path}: {first} -- do the model and data rebuilt from "
+            f"config.yaml (model.name, data) still match the run's checkpoints?"
+        ) from exc

@@ -221,3 +221,41 @@ def test_a_new_computation_runs_on_flower_with_the_simulators_numbers(tmp_path, 
     assert (tmp_path / "sim/clusters.csv").read_text() == (
         tmp_path / "flower/clusters.csv"
     ).read_text()
+
+
+def test_the_client_context_runs_the_built_in_computations_helpers():
+    """What one client gets from its ClientContext equals that client's share of the
+    built-in batched computations (same loss, batch plans and derived streams)."""
+    from fedcluster.algorithms.base import init_row
+    from fedcluster.engine.batches import LocalTraining
+    from fedcluster.engine.client_computations import EVALUATE, LOSSES, TRAIN
+    from fedcluster.engine.simulator import Simulator
+    from fedcluster.models import build_model
+    from tests.helpers import rotated_digits
+
+    fed = rotated_digits(n_groups=2, clients_per_group=2, per_client=40)
+    model = build_model("mlp", fed.input_shape, fed.n_classes, hidden=[8])
+    sim = Simulator(model, fed, seed=3)
+    rows = torch.stack([init_row(model, 3, "init", k) for k in range(2)])
+    cfg, clients = LocalTraining(lr=0.1, batch_size=16), np.arange(4)
+    settings = {"train": cfg, "round": 2}
+    trained = TRAIN.batched_run(sim, clients, Request(shared={"start": rows[0]}, settings=settings))
+    losses = LOSSES.batched_run(sim, clients, Request(shared={"models": rows}, settings=settings))
+    evaluated = EVALUATE.batched_run(
+        sim,
+        clients,
+        Request(shared={"models": rows}, own={"model_index": torch.zeros(4, dtype=torch.int64)}),
+    )
+    for c in clients:
+        ctx = ClientContext(sim, int(c))
+        row, loss, steps = ctx.train(rows[0], cfg, 2)
+        torch.testing.assert_close(row, trained["row"][c], rtol=1e-5, atol=1e-6)
+        assert steps == int(trained["steps"][c]) == 3  # ceil(40 / 16) steps of one epoch
+        torch.testing.assert_close(ctx.losses(rows, cfg, 2), losses["losses"][c])
+        correct, count, loss_sum = ctx.evaluate(rows[0])
+        assert (correct, count) == (int(evaluated["correct"][c]), int(evaluated["count"][c]))
+        assert count == 20 and loss_sum == pytest.approx(float(evaluated["loss_sum"][c]))
+        _, grads = ctx.losses_and_grads(rows, cfg, 2)
+        assert grads.shape == (2, ctx.dim) and ctx.client == c and ctx.y_train.shape == (40,)
+        manual = torch.nn.functional.cross_entropy(ctx.forward(rows[0], ctx.x_test), ctx.y_test)
+        assert loss_sum / count == pytest.approx(float(manual), rel=1e-5)

@@ -1,9 +1,12 @@
 """The client computations several algorithms share: train, the K-model losses, evaluate.
 
 Each is a :class:`~fedcluster.engine.computation.ClientComputation` whose
-batched form runs the simulator's kernels
-(:class:`~fedcluster.engine.simulator.Simulator`); a Flower node runs the
-same function on its one client. Algorithm-specific computations live with
+batched form uses only the public surface of the runner
+(:class:`~fedcluster.engine.computation.ClientRunner`: ``train``,
+``evaluate``, ``losses_and_grads``, the helpers a
+:class:`~fedcluster.engine.computation.ClientContext` offers one client): the
+simulator's kernels for many clients at once, a Flower node's one-client
+simulator for its client. Algorithm-specific computations live with
 their algorithm (JGL's gradient products in :mod:`fedcluster.algorithms.jgl`,
 CFLGT's trajectory in :mod:`fedcluster.algorithms.cflgt`).
 
@@ -14,22 +17,18 @@ Settings (``Request.settings``): ``train`` (a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from fedcluster.dp import release_uploads
 from fedcluster.engine.computation import (
     ClientComputation,
+    ClientRunner,
     Payload,
     ReplyField,
     Request,
     register_computation,
 )
-
-if TYPE_CHECKING:
-    from fedcluster.engine.simulator import Simulator
 
 
 def _model_dim(request: Request) -> tuple[int, ...]:
@@ -38,7 +37,7 @@ def _model_dim(request: Request) -> tuple[int, ...]:
     return (start.shape[-1],)
 
 
-def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _train(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
     s = request.settings
     start = request.own["start"] if "start" in request.own else request.shared["start"]
     result = sim.train(
@@ -96,7 +95,7 @@ def n_models(request: Request) -> tuple[int, ...]:
     return (request.shared["models"].shape[0],)
 
 
-def _losses(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _losses(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
     s = request.settings
     models = request.shared["models"]
     if s.get("batches", "one") == "all":  # IFCA's full-data choice: all K in one pass
@@ -127,7 +126,7 @@ LOSSES = register_computation(
 data (``batches: all``: on all of it): IFCA's cluster identity estimate."""
 
 
-def _evaluate(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _evaluate(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
     models = request.shared["models"] if "models" in request.shared else request.own["model"]
     index = request.own["model_index"] if "models" in request.shared else torch.arange(len(models))
     result = sim.evaluate(clients, models, index.numpy(), request.settings.get("split", "test"))

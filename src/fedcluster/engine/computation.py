@@ -174,11 +174,21 @@ class ClientRunner(Protocol):
     def client_data(self, i: int) -> ClientData: ...
 
     def train(
-        self, clients: np.ndarray, start: torch.Tensor, cfg: LocalTraining, rnd: int, purpose: str
+        self,
+        clients: np.ndarray,
+        start: torch.Tensor,
+        cfg: LocalTraining,
+        rnd: int,
+        purpose: str = "train",
+        classifier_only: bool = False,
     ) -> TrainResult: ...
 
     def evaluate(
-        self, clients: np.ndarray, rows: torch.Tensor, model_of_client: np.ndarray, split: str
+        self,
+        clients: np.ndarray,
+        rows: torch.Tensor,
+        model_of_client: np.ndarray,
+        split: str = "test",
     ) -> EvalResult: ...
 
     def losses_and_grads(
@@ -187,8 +197,8 @@ class ClientRunner(Protocol):
         models: torch.Tensor,
         cfg: LocalTraining,
         rnd: int,
-        purpose: str,
-        with_grads: bool,
+        purpose: str = "decide",
+        with_grads: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -273,10 +283,17 @@ class ClientContext:
         return copy
 
     def train(
-        self, start: torch.Tensor, cfg: LocalTraining, rnd: int, purpose: str = "train"
+        self,
+        start: torch.Tensor,
+        cfg: LocalTraining,
+        rnd: int,
+        purpose: str = "train",
+        classifier_only: bool = False,
     ) -> tuple[torch.Tensor, float, int]:
-        """Local training from ``start`` [d]: the trained row [d], mean batch loss, steps."""
-        result = self.runner.train(self._me, start.reshape(1, -1), cfg, rnd, purpose)
+        """Local training from ``start`` [d] (the TRAIN computation's): the trained row [d],
+        mean batch loss, steps; ``classifier_only`` trains the last layer (fine-tuning)."""
+        start = start.reshape(1, -1)
+        result = self.runner.train(self._me, start, cfg, rnd, purpose, classifier_only)
         return result.rows[0], float(result.loss[0]), int(result.steps[0])
 
     def evaluate(self, row: torch.Tensor, split: str = "test") -> tuple[int, int, float]:

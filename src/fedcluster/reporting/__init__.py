@@ -3,7 +3,7 @@
 ``fedcluster report RUN [RUN ...]`` and the end of ``run`` / ``compare`` /
 ``resume`` call :func:`write_report`. The report reads only the run
 directory's files (:mod:`fedcluster.reporting.rundata`), draws the figures
-with matplotlib's Agg backend (:mod:`fedcluster.reporting.figures`), decides
+with matplotlib's Agg canvas, not pyplot (:mod:`fedcluster.reporting.figures`), decides
 which sections the runs have content for (:mod:`fedcluster.reporting.document`)
 and writes both formats (:mod:`fedcluster.reporting.writers`). Several run
 directories give one comparison report. docs/reports.md describes each section.
