@@ -76,7 +76,7 @@ N_CLIENTS, TRAIN_SIZE, TEST_SIZE, BATCH, LR, SEED = 16, 200, 20, 32, 0.05, 0
 WORKLOADS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "jgl-cnn": ("mnist", "cnn", {}),
     "lenet": ("cifar10", "lenet", {}),
-    "resnet8": ("cifar10", "resnet8", {}),
+    "resnet8": ("cifar10", "fedcluster.models:resnet8", {}),
     "lenet-dropout": ("cifar10", "lenet", {"dropout": 0.5}),
 }
 

@@ -8,8 +8,9 @@
   conv(6, 5x5) -> pool -> conv(16, 5x5) -> pool -> fc 120 -> fc 84.
 - ``lenet``: the LeNet-like CNN on any input size. ``cnn`` and ``lenet`` take
   ``dropout`` (default 0: none).
-- ``resnet8``: a CIFAR ResNet-8 with BatchNorm (He et al. 2016, one basic block
-  per stage), ``width`` channels in its first stage (default 16).
+- ``fedcluster.models:resnet8`` (by import path, not a paper's preset): a CIFAR
+  ResNet-8 with BatchNorm (He et al. 2016, one basic block per stage),
+  ``width`` channels in its first stage (default 16).
 - ``mclr``: multinomial logistic regression (FedGroup Table II, FedProx).
 - ``dnn``: a 2-layer fully connected network (one hidden layer, default 200).
 - ``lstm``: FedProx's / FedGroup's Sent140 classifier (FedGroup Table II):
@@ -239,7 +240,6 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": mlp,
     "cnn": cnn,
     "lenet": lenet,
-    "resnet8": resnet8,
     "mclr": mclr,
     "dnn": dnn,
     "lstm": lstm,

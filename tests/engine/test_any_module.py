@@ -100,7 +100,7 @@ def test_two_runs_of_a_dropout_model_with_one_seed_give_identical_metrics(tmp_pa
 
 
 def _bn_model(fed):
-    return build_model("resnet8", fed.input_shape, 10, width=4)
+    return build_model("fedcluster.models:resnet8", fed.input_shape, 10, width=4)
 
 
 def test_batchnorm_statistics_are_averaged_like_the_parameters_after_one_fedavg_round(fed):

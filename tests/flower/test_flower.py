@@ -97,7 +97,7 @@ def test_a_batchnorm_resnet_on_flower_gives_the_simulators_metrics(tmp_path):
         {
             **CONFIG,
             "rounds": 2,
-            "model": {"name": "resnet8", "options": {"width": 4}},
+            "model": {"name": "fedcluster.models:resnet8", "options": {"width": 4}},
             "algorithms": [{"name": "fedavg"}, SMALL_IFCA],
         }
     )
@@ -112,7 +112,10 @@ def test_a_batchnorm_resnet_on_flower_gives_the_simulators_metrics(tmp_path):
             {"scenario": {"drift": [{"kind": "redistribute", "rounds": [2]}]}},
             r"scenario\.drift\.0\.kind: 'redistribute'",
         ),
-        ({"model": {"name": "resnet8", "buffers": "local"}}, r"model\.buffers: 'local'"),
+        (
+            {"model": {"name": "fedcluster.models:resnet8", "buffers": "local"}},
+            r"model\.buffers: 'local'",
+        ),
     ],
 )
 def test_unsupported_settings_are_refused_before_anything_runs(change, field):

@@ -24,7 +24,7 @@ names another by import path (``"package.module:function"``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -104,7 +104,13 @@ class SeededRandomness(TorchFunctionMode):
         super().__init__()
         self.generator = generator
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self,
+        func: Callable,
+        types: Sequence[type],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.dropout or func in _FEATURE_DIMS:
             return self._dropout(func, args, kwargs)
