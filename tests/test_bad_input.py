@@ -49,7 +49,42 @@ def _nan_lr(tmp_path):
     return ["--set", "train.lr=.nan"], "train.lr"
 
 
+def _anchor_bomb(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(levels) + "\nname: *a8\n")
+    return [str(tmp_path / "bomb.yaml")], "aliases are expanded"
+
+
+def _nested(tmp_path):
+    return ["--set", "x=" + "[" * 50_000 + "]" * 50_000], "nested deeper than"
+
+
+ISSUE_21 = {  # one-line errors of what issue 21 found ending in a traceback, hang or nonsense
+    "anchor-bomb": _anchor_bomb,
+    "nested-50000": _nested,
+    "config-dev-zero": lambda tmp_path: (["/dev/zero"], "not a regular file"),
+    "rounds-true": lambda tmp_path: (["--set", "rounds=true"], "field 'rounds': expected a number"),
+    "label-as-text": lambda tmp_path: (
+        ["--set", "scenario.drift=[{kind: swap_labels, rounds: [1], labels: ['7', 1]}]"],
+        "labels.0': expected a number",
+    ),
+    "lr-1e300": lambda tmp_path: (["--set", "train.lr=1e300"], "train.lr"),
+    "hidden-zero": lambda tmp_path: (["--set", "model.options.hidden=[0]"], "hidden"),
+    "client-dp-tiny-epsilon": lambda tmp_path: (
+        ["--set", "privacy={mode: client, epsilon: 1.0e-12}"],
+        "no noise level",
+    ),
+    "name-escapes": lambda tmp_path: (["--set", "name=../../x"], "name '../../x'"),
+    "drift-after-the-last-round": lambda tmp_path: (
+        ["--set", "scenario.drift=[{kind: rotate, rounds: [999]}]"],
+        "would never happen",
+    ),
+    "out-in-proc": lambda tmp_path: (["--out", "/proc/version/run"], "/proc/version/run"),
+}
+
 CASES = {
+    **ISSUE_21,
     "config-is-a-directory": _directory,
     "empty-config": _empty,
     "out-is-a-file": _out_is_a_file,
@@ -86,3 +121,8 @@ def test_participation_count_above_the_clients_warns_with_both_numbers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning when the count fits
         assert len(select_clients(24, cfg, seed=0, rnd=1)) == 5
+
+
+def test_compare_with_no_algorithm_is_an_error(tmp_path, capsys):
+    assert main(["compare", *TINY, "--out", str(tmp_path / "r"), "--algorithms", " , "]) == 2
+    assert "--algorithms ' , ': give at least one" in capsys.readouterr().err

@@ -317,8 +317,9 @@ def _report_command(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """One line per pinned dataset file; exit 1 when a present file differs from its pins."""
-    from fedcluster.data.integrity import verify_data_dir
+    """One line per pinned dataset file; exit 1 when one differs, is missing from a dataset
+    that is there, cannot be read, or an unpinned uncompressed twin would be read."""
+    from fedcluster.data.integrity import FAILING, verify_data_dir
     from fedcluster.data.sources import resolve_data_dir
 
     root = resolve_data_dir(args.data_dir)
@@ -326,11 +327,12 @@ def _verify(args: argparse.Namespace) -> int:
         raise FedclusterError(f"--data-dir {root} is not a directory")
     checks = verify_data_dir(root)
     for c in checks:
-        detail = f"  (sha256 {c.sha256})" if c.status == "differs" else ""
-        print(f"{c.status:8} {root / c.path}{detail}")
-    bad = [c for c in checks if c.status == "differs"]
-    present = sum(c.status != "missing" for c in checks)
-    print(f"{present} of {len(checks)} known files present, {len(bad)} differ", file=sys.stderr)
+        detail = {"differs": f"  (sha256 {c.sha256})", "unreadable": f"  ({c.reason})"}
+        detail = detail.get(c.status, "")
+        print(f"{c.status:10} {root / c.path}{detail}")
+    bad = [c for c in checks if c.status in FAILING]
+    present = sum(c.status in ("ok", "differs") for c in checks)
+    print(f"{present} known files present, {len(bad)} not as pinned", file=sys.stderr)
     return 1 if bad else 0
 
 

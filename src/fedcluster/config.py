@@ -115,7 +115,7 @@ class TrainConfig(_Strict):
 
 class ParticipationConfig(_Strict):
     fraction: float | None = Field(None, gt=0.0, le=1.0)
-    count: int | None = Field(None, ge=1)
+    count: int | None = Field(None, ge=1, le=limits.MAX_COUNT)
 
     @model_validator(mode="after")
     def _one_of(self) -> ParticipationConfig:

@@ -83,9 +83,11 @@ def wrong_scalar(value: Any, annotation: Any, where: str) -> str | None:
                     return found
         if isinstance(value, dict) and origin is dict:
             for key, item in value.items():
-                found = wrong_scalar(key, args[0], f"{where}.{key}") or wrong_scalar(
-                    item, args[1], f"{where}.{key}"
-                )
+                # JSON (and so a run's config.yaml) writes integer keys as text: '3'
+                numeric_key = isinstance(key, str) and key.lstrip("-").isdigit()
+                found = (
+                    None if numeric_key else wrong_scalar(key, args[0], f"{where}.{key}")
+                ) or wrong_scalar(item, args[1], f"{where}.{key}")
                 if found:
                     return found
     return None

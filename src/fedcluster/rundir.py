@@ -106,16 +106,20 @@ class RunDirectory:
         checkpoint, the directory is removed -- only if this process created it,
         and while it still holds the lock -- so the same command can run again.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.mkdir()
             created = True
         except FileExistsError:
             if not self.path.is_dir():
                 raise FedclusterError(
-                    f"--out {self.path} is an existing file, not a directory"
+                    f"--out {self.path} is an existing file or under one, not a directory"
                 ) from None
             created = False
+        except OSError as exc:  # read-only, /proc, no permission
+            raise FedclusterError(
+                f"--out {self.path}: cannot create the run directory ({exc.strerror})"
+            ) from None
         with self.lock():
             if not created and any(p.name != ".lock" for p in self.path.iterdir()):
                 raise FedclusterError(

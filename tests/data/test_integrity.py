@@ -13,7 +13,7 @@ import pytest
 
 from fedcluster.cli import main
 from fedcluster.data.download import SOURCES
-from fedcluster.data.idx import read_idx
+from fedcluster.data.idx import find_idx_file, read_idx
 
 LABELS = "mnist/train-labels-idx1-ubyte.gz"
 
@@ -67,10 +67,31 @@ def test_verify_reports_ok_differs_missing(tmp_path, real_labels, capsys):
     assert status[str(bad.parent / "t10k-labels-idx1-ubyte.gz")] == "ok"
     pinned = {f.path for alts in SOURCES.values() for files in alts for f in files}
     assert len(lines) == len(pinned)
-    assert sum(s == "missing" for s in status.values()) == len(pinned) - 2
+    assert sum(s == "missing" for s in status.values()) == 2  # mnist's images
+    assert sum(s == "absent" for s in status.values()) == len(pinned) - 4  # other datasets
 
 
 def test_verify_of_a_clean_copy_exits_0(tmp_path, real_labels):
-    (tmp_path / "mnist").mkdir()
-    shutil.copy(real_labels, tmp_path / LABELS)
+    shutil.copytree(real_labels.parent, tmp_path / "mnist")
     assert main(["verify", "--data-dir", str(tmp_path)]) == 0
+
+
+def test_verify_covers_the_uncompressed_twin_and_unreadable_files(tmp_path, real_labels, capsys):
+    """An all-zero uncompressed twin beside the pinned .gz is never read (the loader takes
+    the .gz); without the .gz it is what the loader reads, and verify fails on it."""
+    shutil.copytree(real_labels.parent, tmp_path / "mnist")
+    gz = tmp_path / LABELS
+    twin = gz.with_suffix("")
+    labels = read_idx(gz, ndim=1)
+    twin.write_bytes(bytes([0, 0, 8, 1]) + len(labels).to_bytes(4, "big") + bytes(len(labels)))
+    assert find_idx_file(gz.parent, twin.name) == gz
+    assert main(["verify", "--data-dir", str(tmp_path)]) == 0
+    assert f"ignored    {twin}" in capsys.readouterr().out
+    gz.unlink()
+    assert main(["verify", "--data-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"unpinned   {twin}" in out and f"missing    {gz}" in out
+    twin.unlink()
+    gz.symlink_to(gz)  # a symlink loop
+    assert main(["verify", "--data-dir", str(tmp_path)]) == 1
+    assert f"unreadable {gz}" in capsys.readouterr().out

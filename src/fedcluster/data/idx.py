@@ -34,8 +34,12 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 
 def find_idx_file(folder: Path, name: str) -> Path | None:
-    """The path of ``name`` or else ``name.gz`` in ``folder``; None if neither exists."""
-    for candidate in (folder / name, folder / f"{name}.gz"):
+    """The path of ``name.gz`` or else ``name`` in ``folder``; None if neither exists.
+
+    The compressed file comes first: it is the one the downloader pins and
+    ``fedcluster verify`` checks, so an uncompressed twin beside it is never read.
+    """
+    for candidate in (folder / f"{name}.gz", folder / name):
         if candidate.is_file():
             return candidate
     return None

@@ -115,6 +115,8 @@ def _read_leaf_file(path: Path) -> list[tuple[str, list[Any], list[Any]]]:
             doc = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{path}: not a readable JSON file: {exc}") from exc
+    except RecursionError:
+        raise DataError(f"{path}: not a LEAF file: JSON nested too deeply") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("users"), list):
         raise DataError(f"{path}: not a LEAF file: no 'users' list")
     data = doc.get("user_data")
@@ -166,6 +168,8 @@ def femnist_arrays(
 
 
 def _int_labels(y: list[Any], n_classes: int, path: Path, user: str) -> np.ndarray:
+    if any(isinstance(v, bool | str) for v in y):  # numpy would read '7' and True as numbers
+        raise DataError(f"{path}: user {user!r}: labels 'y' must be numbers, not text or booleans")
     try:
         ya = np.asarray(y, dtype=np.float64)
     except (TypeError, ValueError) as exc:

@@ -1,0 +1,311 @@
+"""Issue 21: run directories that cannot be raced or redirected, checkpoints bound to their
+config, one client's bad data contained, and a full disk that leaves a resumable run.
+
+Runs are tiny (scikit-learn's digits, 4 clients, 1-layer MLP of 8 units, 2-4 rounds).
+"""
+
+from __future__ import annotations
+
+import csv
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedcluster import safefiles
+from fedcluster.algorithms.base import init_row
+from fedcluster.cli import main
+from fedcluster.config import resolve_config
+from fedcluster.data.screen import screen_clients
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.simulator import Simulator
+from fedcluster.errors import DataError, FedclusterError
+from fedcluster.metrics import TIMING_COLUMNS
+from fedcluster.rundir import RunDirectory, load_checkpoint, save_checkpoint
+from fedcluster.runner import Experiment, build_federation_for, model_for, resume
+
+SETS = [
+    "data.dataset=digits",
+    "data.partition={name: iid, n_clients: 4, test_fraction: 0.2}",
+    "model.options.hidden=[8]",
+    "algorithms=[{name: fedavg}]",
+    "rounds=4",
+    "checkpoint_every=2",
+]
+ARGS = ["--quiet", "--no-report"] + [a for s in SETS for a in ("--set", s)]
+
+
+def _config(*extra: str):
+    return resolve_config(None, None, [*SETS, *extra])
+
+
+def _metrics(out: Path) -> list[list[str]]:
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    keep = [i for i, name in enumerate(rows[0]) if name not in TIMING_COLUMNS]
+    return [[r[i] for i in keep] for r in rows]
+
+
+def _one_line_error(capsys, *named: str) -> str:
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("fedcluster: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert all(n in errors[0] for n in named), errors[0]
+    return errors[0]
+
+
+@pytest.fixture()
+def stopped(tmp_path) -> Path:
+    """A run stopped after round 2 of 4 (its checkpoint is round 2)."""
+    out = tmp_path / "run"
+    Experiment(_config()).run(out, progress=False, stop_after_round=2)
+    return out
+
+
+# ----------------------------------------------------------------------- the race
+
+
+def test_a_second_run_with_the_same_out_never_touches_the_first(tmp_path, capsys):
+    """Issue 21's race: a second `run --out SAME` while the first runs exits 2 ("in use")
+    and the first run completes untouched; once it finished, "not empty", again untouched."""
+    out = tmp_path / "run"
+    slow = textwrap.dedent(f"""
+        import sys, time
+        from fedcluster.callbacks import Callback
+        from fedcluster.config import resolve_config
+        from fedcluster.runner import Experiment
+
+        class Slow(Callback):
+            def on_round_end(self, job, rnd, row, state):
+                if rnd == 1:
+                    print("round 1", flush=True)
+                    time.sleep(3)  # the injected delay: the second run starts now
+
+        Experiment(resolve_config(None, None, {SETS!r}), callbacks=[Slow()]).run(
+            {str(out)!r}, progress=False
+        )
+    """)
+    first = subprocess.Popen(
+        [sys.executable, "-c", slow], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "round 1"
+        assert main(["run", *ARGS, "--out", str(out)]) == 2
+        _one_line_error(capsys, "in use by process", str(first.pid))
+        assert out.is_dir()  # not removed by the process that did not create it
+    finally:
+        assert first.wait(timeout=120) == 0
+
+    def files() -> dict[str, bytes]:  # .lock holds the pid of its last holder
+        return {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+    done = files()
+    assert "summary.json" in done and len(_metrics(out)) == 5
+    assert main(["run", *ARGS, "--out", str(out)]) == 2
+    _one_line_error(capsys, "not empty")
+    assert files() == done
+
+
+# ----------------------------------------------------------------------- symlinks
+
+
+@pytest.mark.parametrize(
+    "entry", [".lock", "metrics.csv.tmp", "summary.json.tmp", "checkpoints/fedavg-seed0.pt.tmp"]
+)
+def test_resume_never_writes_through_a_symlinked_entry(stopped, tmp_path, entry):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (stopped / entry).unlink(missing_ok=True)
+    (stopped / entry).symlink_to(victim)
+    with pytest.raises(FedclusterError, match="symlink"):
+        resume(stopped, progress=False)
+    assert victim.read_text() == "precious\n"
+
+
+def test_temporaries_are_created_exclusively(tmp_path):
+    target = tmp_path / "summary.json"
+    (tmp_path / "summary.json.tmp").write_text("stale")  # a killed run's temporary: replaced
+    safefiles.write_atomic(target, "{}")
+    assert target.read_text() == "{}" and not (tmp_path / "summary.json.tmp").exists()
+
+
+# ----------------------------------------------------------------------- checkpoint metadata
+
+
+def _rewrite_meta(path: Path, **changes) -> None:
+    ckpt = load_checkpoint(path)
+    for key, value in changes.items():
+        setattr(ckpt, key, value)
+    save_checkpoint(path, ckpt)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"round": -5}, "outside the run's rounds"),
+        ({"round": 10**9}, "outside the run's rounds"),
+        ({"rows": "forged"}, "not a list of rows"),
+    ],
+)
+def test_checkpoint_metadata_is_checked_against_the_run(stopped, change, named):
+    path = RunDirectory(stopped).checkpoint_path("fedavg", 0)
+    _rewrite_meta(path, **change)
+    before = (stopped / "metrics.csv").read_bytes()
+    with pytest.raises(FedclusterError, match=named):
+        resume(stopped, progress=False)
+    assert (stopped / "metrics.csv").read_bytes() == before
+
+
+def test_a_forged_row_is_refused(stopped):
+    path = RunDirectory(stopped).checkpoint_path("fedavg", 0)
+    rows = load_checkpoint(path).rows
+    forged = [*rows, {**rows[-1], "round": 3, "accuracy": 1.0}]
+    _rewrite_meta(path, rows=forged)
+    with pytest.raises(FedclusterError, match=r"not rounds 1\.\.2 of fedavg seed 0"):
+        resume(stopped, progress=False)
+    assert "1.0" not in [r[3] for r in _metrics(stopped)[1:]]
+
+
+def test_an_edited_config_is_refused_with_one_line(stopped, capsys):
+    config = stopped / "config.yaml"
+    text = config.read_text()
+    lr = next(line for line in text.splitlines() if line.startswith("  lr: "))
+    config.write_text(text.replace(lr, "  lr: 0.5"))  # lr changed mid-run
+    assert main(["resume", "--quiet", "--no-report", str(stopped)]) == 2
+    _one_line_error(capsys, "not the config checkpoint", "edited")
+
+
+def test_code_named_in_a_config_is_imported_only_when_the_run_started_with_it(
+    stopped, tmp_path, capsys, monkeypatch
+):
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_model.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = stopped / "config.yaml"
+    config.write_text(config.read_text().replace("name: mlp", "name: evil_model:mlp"))
+    for ckpt in (stopped / "checkpoints").glob("*.pt"):
+        ckpt.unlink()  # nothing vouches for the config: even a matching digest is gone
+    assert main(["resume", "--quiet", "--no-report", str(stopped)]) == 2
+    _one_line_error(capsys, "evil_model:mlp", "--trust")
+    assert not marker.exists()
+    main(["resume", "--quiet", "--no-report", "--trust", str(stopped)])
+    assert marker.exists()  # imported only on the user's word
+
+
+def test_a_run_started_with_its_own_model_resumes_without_trust(tmp_path):
+    module = tmp_path / "own_model.py"
+    module.write_text("from fedcluster.models import mlp\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        out = tmp_path / "run"
+        cfg = _config("model.name=own_model:mlp")
+        Experiment(cfg).run(out, progress=False, stop_after_round=2)
+        resume(out, progress=False)
+        assert len(_metrics(out)) == 5
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+# ----------------------------------------------------------------------- seeds, full disk
+
+
+@pytest.mark.parametrize("argv", [["--seed", "-1"], ["--set", "seeds=[0, -1]"]])
+def test_negative_seeds_are_refused(tmp_path, capsys, argv):
+    assert main(["run", *ARGS, "--out", str(tmp_path / "run"), *argv]) == 2
+    _one_line_error(capsys, "seeds")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_ends_with_one_line_and_a_resumable_run(tmp_path, capsys, monkeypatch):
+    full = tmp_path / "full"
+    assert main(["run", *ARGS, "--out", str(full)]) == 0
+    out = tmp_path / "run"
+    writes = {"n": 0}
+    real = safefiles._write_all
+
+    def fill_up(fd: int, data: bytes) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(".pt.tmp"):
+            writes["n"] += 1
+            if writes["n"] == 2:  # the second checkpoint (round 4) meets a full disk
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(safefiles, "_write_all", fill_up)
+    assert main(["run", *ARGS, "--out", str(out)]) == 2
+    _one_line_error(capsys, "no space left", f"fedcluster resume {out}")
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    monkeypatch.setattr(safefiles, "_write_all", real)
+    assert main(["resume", "--quiet", "--no-report", str(out)]) == 0
+    assert _metrics(out) == _metrics(full)
+
+
+# ----------------------------------------------------------------------- bad clients
+
+
+def test_one_nan_client_in_a_batched_group_of_8_leaves_the_others_byte_identical():
+    """The NaN sits at a pixel no other client uses (outside the kernel's input span)."""
+    cfg = _config("data.partition={name: iid, n_clients: 8, test_fraction: 0.2}")
+    federation = build_federation_for(cfg, 0)
+    model = model_for(cfg, federation)
+    start = init_row(model, 0, "init")
+    clients = np.arange(8)
+    training = LocalTraining(lr=0.1, batch_size=10**6, epochs=2)  # full batch: all paths meet
+    clean = Simulator(model, federation, seed=0, group_size=8).train(clients, start, training, 1)
+    poisoned = federation.clone()
+    used = (federation.x_train.reshape(len(federation.x_train), -1) != 0).any(dim=0)
+    unused = int(torch.nonzero(~used)[0])
+    poisoned.x_train.view(len(poisoned.x_train), -1)[federation.client_slice(3).start, unused] = (
+        float("nan")
+    )
+    dirty = Simulator(model, poisoned, seed=0, group_size=8).train(clients, start, training, 1)
+    others = [c for c in range(8) if c != 3]
+    assert torch.equal(dirty.rows[others], clean.rows[others])
+    assert torch.equal(dirty.loss[others], clean.loss[others])
+    assert torch.isnan(dirty.rows[3]).all() and torch.isnan(dirty.loss[3])
+
+
+def test_bad_clients_are_named_and_excluded_or_refused(caplog):
+    federation = build_federation_for(_config(), 0)
+    federation.x_train[federation.client_slice(1).start].fill_(1e30)
+    federation.y_test[federation.client_slice(2, "test").start] = 99
+    with caplog.at_level("WARNING", logger="fedcluster"):
+        kept = screen_clients(federation, "exclude")
+    message = caplog.records[-1].getMessage()
+    assert "client 1: training inputs beyond" in message and "client 2: test labels" in message
+    assert kept.n_clients == 2
+    expected = torch.cat([federation.x_train[federation.client_slice(c)] for c in (0, 3)])
+    assert torch.equal(kept.x_train, expected)
+    with pytest.raises(DataError, match="2 of 4 clients have unusable data"):
+        screen_clients(federation, "refuse")
+
+
+def test_a_leaf_user_with_no_samples_is_named(tmp_path, capsys):
+    root = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("test", 2)):
+        users = [f"u{i}" for i in range(4)]
+        data = {
+            u: {
+                "x": [] if u == "u2" else rng.random((n, 784)).round(2).tolist(),
+                "y": [] if u == "u2" else [i % 10 for i in range(n)],
+            }
+            for u in users
+        }
+        (root / "femnist" / split).mkdir(parents=True)
+        (root / "femnist" / split / "all.json").write_text(
+            json.dumps({"users": users, "user_data": data})
+        )
+    cfg_args = [
+        "--set", "data={dataset: leaf-femnist, partition: {name: natural}, bad_clients: refuse}",
+        "--set", f"data.data_dir={root}",
+    ]  # fmt: skip
+    assert main(["run", *ARGS, *cfg_args, "--out", str(tmp_path / "run")]) == 2
+    _one_line_error(capsys, "client 2: no training samples")
