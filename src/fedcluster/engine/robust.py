@@ -244,21 +244,27 @@ def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
     return closest.sum(dim=1)
 
 
+def krum_selection(updates: torch.Tensor, f: int) -> torch.Tensor:
+    """Indices of the n − f ``updates`` [n, d] with the lowest :func:`krum_scores`
+    (Multi-Krum's choice; ties keep the earlier update)."""
+    scores = krum_scores(updates, f)
+    return torch.sort(scores, stable=True).indices[: updates.shape[0] - f]
+
+
 def multi_krum(
     start: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, byzantine: float = 0.25
 ) -> torch.Tensor:
     """Multi-Krum (Blanchard et al., NeurIPS 2017, Sec. 5): the weighted mean of the
     m = n − f rows whose updates have the lowest :func:`krum_scores`, f = ⌊``byzantine``·n⌋.
 
-    Ties keep the earlier row; with fewer than three rows (no neighbour to
-    compare with besides the other) the weighted mean of all.
+    With fewer than three rows (no neighbour to compare with besides the
+    other) or f = 0, the weighted mean of all.
     """
     n = rows.shape[0]
     f = int(byzantine * n)
     if n < 3 or f == 0:
         return weighted_average(rows, weights)
-    scores = krum_scores(rows - _start_rows(start, rows), f)
-    chosen = torch.sort(scores, stable=True).indices[: n - f]
+    chosen = krum_selection(rows - _start_rows(start, rows), f)
     return weighted_average(rows[chosen], weights[chosen])
 
 
@@ -284,8 +290,7 @@ def guarded_mean(
     kept = torch.nonzero(aligned(clipped)).flatten()
     budget = int(byzantine * rows.shape[0]) - (rows.shape[0] - len(kept))
     if budget > 0 and len(kept) >= 3:
-        scores = krum_scores(rows[kept] - base[kept], budget)
-        kept = kept[torch.sort(scores, stable=True).indices[: len(kept) - budget]]
+        kept = kept[krum_selection(rows[kept] - base[kept], budget)]
     return weighted_average(base[kept] + clipped[kept], weights[kept])
 
 
