@@ -19,10 +19,18 @@ seeds) beside the fault-free run over the same clients
     python -m benchmarks.attacks --seeds 3 --rounds 15 --out runs/attacks
 
 ``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated);
-``--report`` prints the table of a finished ``results.json``.
+``--report`` prints the table of a finished ``results.json``; ``--clusters``
+prints, per run directory and clustered algorithm, (honest clients sharing
+their final cluster with an attacker, honest clients, clusters held by
+attackers alone): where the attackers sit in the clustering, a cause of a
+missed goal that no aggregation rule can undo.
 """
 
 from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
 
 from benchmarks.common import parser
 from benchmarks.reliability import ALGORITHMS as RELIABILITY_ALGORITHMS
@@ -39,7 +47,32 @@ SETTINGS: dict[str, dict] = {
 ALGORITHMS = {a: RELIABILITY_ALGORITHMS[a] for a in ("fedavg", "ifca", "jgl", "dcfl", "fedgroup")}
 
 
+def hostages(run: Path) -> dict[str, tuple[int, int, int]]:
+    """Per clustered algorithm of ``run``, at the final round: honest clients whose cluster
+    holds an attacker, honest clients, and clusters of attackers only (a cluster model
+    the honest clients lost), from clusters.csv and events.csv."""
+    with open(run / "events.csv", newline="") as f:
+        events = list(csv.DictReader(f))
+    attackers = {(r["algorithm"], r["client"]) for r in events if r["kind"] == "faulty"}
+    with open(run / "clusters.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    found = {}
+    for alg in sorted({r["algorithm"] for r in rows}):
+        last = max(int(r["round"]) for r in rows if r["algorithm"] == alg)
+        final = [r for r in rows if r["algorithm"] == alg and int(r["round"]) == last]
+        bad = {r["cluster"] for r in final if (alg, r["client"]) in attackers}
+        honest = [r for r in final if (alg, r["client"]) not in attackers]
+        shared = {r["cluster"] for r in honest}
+        found[alg] = (sum(r["cluster"] in bad for r in honest), len(honest), len(bad - shared))
+    return found
+
+
 def main() -> None:
+    if "--clusters" in sys.argv:
+        out = Path(sys.argv[sys.argv.index("--clusters") + 1])
+        for run in sorted(out.glob("seed*/*/*")):
+            print(run.relative_to(out), hostages(run))
+        return
     p = parser(__doc__)
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--rules", default="mean,aligned_mean,guarded_mean")

@@ -332,13 +332,17 @@ class AggregationConfig(_Strict):
 
     ``mean`` is the papers' weighted average; ``median``, ``trimmed_mean``
     (Yin et al., ICML 2018), ``clipped_mean`` (updates clipped to the
-    ``clip_quantile`` quantile of the round's update norms) and ``aligned_mean``
-    (clipped, without the updates pointing against the cluster's median
-    direction) resist faulty clients.
+    ``clip_quantile`` quantile of the round's update norms), ``aligned_mean``
+    (clipped, without copies and without the updates pointing against the
+    cluster's median direction), ``multi_krum`` (Blanchard et al., NeurIPS 2017)
+    and ``guarded_mean`` (aligned_mean, then Multi-Krum's selection within a
+    budget of ``byzantine``·n exclusions) resist faulty clients.
     """
 
     rule: AggregationRule = Field(
-        "mean", description="mean | median | trimmed_mean | clipped_mean | aligned_mean"
+        "mean",
+        description="mean | median | trimmed_mean | clipped_mean | aligned_mean | multi_krum "
+        "| guarded_mean",
     )
     trim: float = Field(
         0.1, ge=0.0, lt=0.5, description="trimmed_mean: share of values dropped on each side"

@@ -23,6 +23,8 @@ from fedcluster.engine.robust import (
     aligned_mean,
     clipped_mean,
     coordinate_median,
+    copies,
+    guarded_mean,
     krum_scores,
     multi_krum,
     trimmed_mean,
@@ -296,3 +298,47 @@ def test_label_flippers_train_on_flipped_labels_only():
         assert torch.equal(flipped.y_train[part], want)
     assert flipped.x_train is fed.x_train and torch.equal(flipped.y_test, fed.y_test)
     assert fed.n_classes == 10
+
+
+def test_copies_are_updates_with_a_twin_direction():
+    updates = torch.tensor([[1.0, 0.0], [2.0, 1e-4], [0.0, 1.0], [0.1, 1.0], [0.0, -1.0]])
+    assert copies(updates).tolist() == [True, True, False, False, False]
+
+
+def test_aligned_mean_ignores_colluding_copies_that_would_make_the_reference():
+    """Three copies of (−1, 0.2) and two honest updates: all five's coordinate median is
+    (−1, 0.2), against which both honest updates point away; without the copies the
+    median is (0.75, 0.75) and the honest updates are what remains (quantile 1: no clip)."""
+    start = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    updates = torch.tensor([[-1.0, 0.2]] * 3 + [[1.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    got = aligned_mean(start, start + updates, torch.ones(5), quantile=1.0)
+    assert torch.allclose(got, start + torch.tensor([0.75, 0.75], dtype=torch.float64))
+
+
+def _guarded_case() -> tuple[torch.Tensor, torch.Tensor]:
+    # no two parallel (parallel updates would be copies)
+    honest = [[1.0, 0.0], [1.1, 0.1], [0.9, -0.1], [1.0, 0.2], [1.0, -0.2], [1.05, 0.05]]
+    return torch.tensor(honest, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+
+
+def test_guarded_mean_spends_what_aligned_leaves_of_the_budget_on_krum():
+    """n = 8, f = ⌊0.25·8⌋ = 2: the flipped update is left out by direction (median (1, .025)),
+    the remaining exclusion goes to the far update (4, 0.5) by Krum's score; the six
+    honest updates are averaged (quantile 1: nothing clipped)."""
+    honest, start = _guarded_case()
+    far, flipped = torch.tensor([[4.0, 0.5]]), torch.tensor([[-1.0, 0.0]])
+    rows = torch.cat([honest, far.double(), flipped.double()])
+    got = guarded_mean(start, rows, torch.ones(8), quantile=1.0, byzantine=0.25)
+    want = torch.tensor([6.05 / 6, 0.05 / 6], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-12)
+    # aligned_mean alone keeps the far update
+    kept7 = torch.cat([honest, far.double()]).mean(0)
+    assert torch.allclose(aligned_mean(start, rows, torch.ones(8), quantile=1.0), kept7)
+
+
+def test_guarded_mean_counts_left_out_copies_against_the_budget():
+    """Two copies and the far update: the copies use up f = 2, the far update stays."""
+    honest, start = _guarded_case()
+    rows = torch.cat([honest, torch.tensor([[4.0, 0.5], [0.3, 0.3], [0.3, 0.3]]).double()])
+    got = guarded_mean(start, rows, torch.ones(9), quantile=1.0, byzantine=0.25)
+    assert torch.allclose(got, torch.cat([honest, rows[6:7]]).mean(0), rtol=1e-12)

@@ -176,7 +176,7 @@ EVALUATE = register_computation(
 (``models`` shared with one index per client: a client receives only its model)."""
 
 
-def _evaluate_models(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _evaluate_models(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
     correct, count, loss_sum = sim.evaluate_models(
         clients, request.shared["models"], request.settings.get("split", "test")
     )

@@ -191,6 +191,10 @@ class ClientRunner(Protocol):
         split: str = "test",
     ) -> EvalResult: ...
 
+    def evaluate_models(
+        self, clients: np.ndarray, rows: torch.Tensor, split: str = "test"
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
     def losses_and_grads(
         self,
         clients: np.ndarray,

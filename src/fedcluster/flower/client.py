@@ -39,6 +39,7 @@ from fedcluster.engine.computation import lookup_computation
 from fedcluster.engine.simulator import Simulator
 from fedcluster.flower import protocol
 from fedcluster.runner import build_federation_for, model_for, simulator_for
+from fedcluster.scenario import Scenario, flip_labels
 
 client_app = ClientApp()
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ def _client(experiment: str, seed: int, client: int) -> Simulator:
             f"node partition-id {client}: the experiment has {federation.n_clients} clients"
         )
     own = federation.subset([client])
+    scenario = Scenario(config.scenario, federation.n_clients, seed, config.rounds)
+    if client in scenario.label_flippers():  # a label-flipping node relabels its own data
+        own = flip_labels(own, np.array([0]))
     # one thread per node: the nodes of a simulation share the machine
     model = model_for(config, own)
     return simulator_for(config, model, own, seed, threads=1, client_ids=np.array([client]))
