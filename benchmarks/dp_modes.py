@@ -17,8 +17,10 @@ Central DP needs many clients per cluster aggregate (the noise of a cluster
 mean is z·C/n_k), hence many small clients and a small model.
 
     python -m benchmarks.dp_modes --seeds 3 --out runs/dp-modes
+    python -m benchmarks.dp_modes --seeds 2 --first-seed 1 --modes none,central,sketch --eps 10,inf
 
-Seeds run outermost, and the JSON of every finished job is rewritten after
+``--modes`` and ``--eps`` run a subset of the cells (e.g. more seeds of the
+ε = 10 column). Seeds run outermost, and the JSON of every finished job is rewritten after
 each setting, so an interrupted run still leaves a table of the seeds done.
 """
 
@@ -80,21 +82,21 @@ def cell(jobs: list[dict]) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """Rows (mode, algorithm), columns ε; the no-privacy column repeats in every mode."""
+    """Rows (mode, algorithm), columns ε; the no-privacy column repeats in every mode;
+    the last column counts the seeds of each ε's cell."""
     rows = []
     for mode, (_, algorithms) in MODES.items():
         for a in algorithms:
             row = {"mode": mode, "algorithm": a}
+            seeds = []
             for eps in (*EPSILONS, math.inf):
                 m = "none" if math.isinf(eps) else mode
                 jobs = [
                     r for r in results if r["mode"] == m and r["algorithm"] == a and r["eps"] == eps
                 ]
-                seeds = len(jobs)
-                row[f"ε = {eps:g}" if not math.isinf(eps) else "ε = ∞"] = (
-                    cell(jobs) if jobs else "-"
-                )
-            row["seeds"] = str(seeds)
+                seeds.append(str(len(jobs)))
+                row["ε = ∞" if math.isinf(eps) else f"ε = {eps:g}"] = cell(jobs) if jobs else "-"
+            row["seeds per ε"] = "/".join(seeds)
             rows.append(row)
     return format_table(rows)
 
@@ -102,14 +104,18 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.set_defaults(seeds=3, rounds=15, out="runs/dp-modes")
+    p.add_argument("--modes", default="none,local,central,sketch", help="comma-separated subset")
+    p.add_argument("--eps", default="1,3,10,30,inf", help="comma-separated subset (inf: none)")
     args = p.parse_args()
+    modes = set(args.modes.split(","))
+    epsilons = {float(e) for e in args.eps.split(",")}
     out = Path(args.out)
     path = out / "dp_modes.json"
     results: list[dict] = json.loads(path.read_text()) if path.exists() else []
     done = {(r["mode"], r["eps"], r["seed"]) for r in results}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for mode, eps, algorithms, sets in settings():
-            if (mode, eps, seed) in done:
+            if (mode, eps, seed) in done or mode not in modes or eps not in epsilons:
                 continue
             label = f"{mode}-eps{eps:g}"
             specs = ", ".join(ALGORITHMS[a] for a in algorithms)

@@ -193,9 +193,16 @@ def test_central_run_reports_the_calibrated_epsilon(tmp_path):
         assert 9.99 < float(row["epsilon"]) <= 10.0
 
 
-@pytest.mark.parametrize("algorithm,error", [("dcfl", "sketch_dim"), ("cfl", "not available")])
-def test_clustering_on_updates_under_central_dp_is_refused(tmp_path, algorithm, error):
-    sets = [*TINY, f"algorithms=[{{name: {algorithm}}}]"]
+@pytest.mark.parametrize(
+    "algorithm,extra,error",
+    [
+        ("dcfl", [], "sketch_dim"),
+        ("cfl", [], "not available"),
+        ("fedavg", ["privacy.accountant=prv"], "rdp"),
+    ],
+)
+def test_what_central_dp_cannot_account_is_refused(tmp_path, algorithm, extra, error):
+    sets = [*TINY, *extra, f"algorithms=[{{name: {algorithm}}}]"]
     config = resolve_config(None, "quickstart", sets, {"rounds": 1})
     with pytest.raises(ConfigError, match=error):
         Experiment(config).run(tmp_path, progress=False)

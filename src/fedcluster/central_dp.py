@@ -234,6 +234,8 @@ class CentralDP:
                 f"privacy.mode central: not available for {', '.join(refused)} (they cluster "
                 f"on individual uploads); allowed: {', '.join(sorted(CENTRAL_ALGORITHMS))}"
             )
+        if p.accountant != "rdp":
+            raise ConfigError("privacy.accountant: central DP composes with RDP; use rdp")
         if config.aggregation.rule != "mean":
             raise ConfigError(
                 "aggregation.rule: central DP is its own clipped mean; got "
