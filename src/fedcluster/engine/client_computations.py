@@ -2,7 +2,7 @@
 
 Each is a :class:`~fedcluster.engine.computation.ClientComputation` whose
 batched form uses only the public surface of the runner
-(:class:`~fedcluster.engine.computation.ClientRunner`: ``train``,
+(:class:`~fedcluster.engine.computation.ClientRunner`: ``train``, ``evaluate_models``,
 ``evaluate``, ``losses_and_grads``, the helpers a
 :class:`~fedcluster.engine.computation.ClientContext` offers one client): the
 simulator's kernels for many clients at once, a Flower node's one-client
