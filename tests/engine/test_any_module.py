@@ -9,6 +9,7 @@ a hand-written label-smoothed cross-entropy.
 from __future__ import annotations
 
 import copy
+import csv
 
 import numpy as np
 import pytest
@@ -150,6 +151,23 @@ def test_fedbn_keeps_each_clients_batchnorm_layers(fed):
     starts[:, local] = trained[:, local]
     ref = reference_train(model, fed, clients, starts, CFG, seed=0, rnd=2)
     torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fedbn_from_the_config_gives_each_client_its_own_layers(tmp_path):
+    config = digits_config("fedbn", rounds=1, algorithms=[{"name": "fedavg"}])
+    config["model"] = {"name": "fedcluster.models:resnet8", "options": {"width": 4}}
+    for buffers in ("federated", "local"):
+        config["model"]["buffers"] = buffers
+        experiment = Experiment(validate_config(config))
+        experiment.run(tmp_path / buffers, progress=False)
+    fed = experiment.federation(0)
+    sim = experiment.backend_factory.backend(experiment.model(fed), fed, 0)
+    assert isinstance(sim, Simulator) and sim.keeps_own_layers
+    losses = []
+    for buffers in ("federated", "local"):
+        with open(tmp_path / buffers / "metrics.csv", newline="") as f:
+            losses.append([float(r["test_loss"]) for r in csv.DictReader(f)])
+    assert losses[0] != losses[1]  # the same training, evaluated with other BatchNorm layers
 
 
 def test_a_user_loss_reaches_training_dp_sgd_and_the_cluster_choice(fed):
