@@ -35,6 +35,8 @@ CLUSTERED = {
     "cfl": {"eps1": 1e9, "eps2": 0.0, "warmup_rounds": 1, "min_cluster_size": 4},
     "flhc": {"pretrain_rounds": 2, "n_clusters": 4},
     "fesem": {"n_clusters": 4},
+    "pacfl": {"n_clusters": 4},
+    "wecfl": {"n_clusters": 4},
 }
 
 
