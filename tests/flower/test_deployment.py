@@ -176,9 +176,20 @@ def _kill_and_restart(run: Path, node: int, kill: int, restart: int, spawned: li
         os.kill(pid, signal.SIGKILL)
     _after_round(run, restart, "dcfl")
     env = {**os.environ, **info["env"], "PYTHONPATH": os.pathsep.join(sys.path)}
-    log = open(Path(info["log"]).with_suffix(".restart.log"), "ab")  # noqa: SIM115
+    path = Path(info["log"]).with_suffix(".restart.log")
+    log = open(path, "ab")  # noqa: SIM115
     spawned.append(log)
-    proc = subprocess.Popen(info["command"], stdout=log, stderr=log, env=env)
+    end = time.monotonic() + 300
+    while True:  # as a service manager restarts a node that exited
+        seen = path.stat().st_size
+        proc = subprocess.Popen(info["command"], stdout=log, stderr=log, env=env)
+        # with SuperNode authentication the SuperLink refuses the node's key ("Failed to
+        # activate SuperNode", exit 305) while it still counts the killed node online
+        while proc.poll() is None and "SuperNode ID" not in path.read_text()[seen:]:
+            time.sleep(0.5)
+        if proc.poll() is None or time.monotonic() > end:
+            break
+        time.sleep(5)
     worker = [
         sys.executable,
         "-m",
