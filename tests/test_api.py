@@ -35,6 +35,10 @@ def make_model(input_shape, n_classes):
 
 def make_federation():
     return rotated_digits(n_groups=3, clients_per_group=2, per_client=40)
+
+
+def smoothed(logits, targets):
+    return torch.nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
 """
 
 ALGORITHMS = [fedcluster.IFCA(n_clusters=3), "fedavg"]
@@ -186,3 +190,36 @@ def test_a_factory_that_changed_since_the_run_stops_resume_in_one_line(user, tmp
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"fedcluster: error: cannot resume {tmp_path}")
     assert "still match the run's checkpoints" in err
+
+
+def test_a_loss_passed_from_python_is_recorded_so_that_resume_uses_it(user, tmp_path, capsys):
+    args = {"algorithms": ["fedavg"], "report": False, **SETTINGS}
+    factories = {"model": user.make_model, "federation": user.make_federation}
+    full = fedcluster.run(out=tmp_path / "full", loss=user.smoothed, **factories, **args)
+    assert load_yaml(full.path / "config.yaml")["train"]["loss"] == "usermod:smoothed"
+    with pytest.raises(Killed):
+        fedcluster.run(
+            out=tmp_path / "killed",
+            loss=user.smoothed,
+            callbacks=[KillAfter(2)],
+            **factories,
+            **args,
+        )
+    assert main(["resume", str(tmp_path / "killed"), "--quiet"]) == 0  # by its import path
+    assert _metrics(tmp_path / "killed") == _metrics(full.path)
+
+    def local_loss(logits, targets):  # no import path: only Python can resume it
+        return user.smoothed(logits, targets)
+
+    with pytest.raises(Killed):
+        fedcluster.run(
+            out=tmp_path / "local", loss=local_loss, callbacks=[KillAfter(2)], **factories, **args
+        )
+    recorded = load_yaml(tmp_path / "local" / "config.yaml")["train"]["loss"]
+    assert recorded.startswith("given:") and recorded.endswith("local_loss")
+    capsys.readouterr()
+    assert main(["resume", str(tmp_path / "local"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "loss=..." in err and "local_loss" in err
+    fedcluster.resume(tmp_path / "local", loss=local_loss, report=False)
+    assert _metrics(tmp_path / "local") == _metrics(full.path)

@@ -39,6 +39,7 @@ from fedcluster.algorithms import ALGORITHMS, Algorithm, AlgorithmParams
 from fedcluster.callbacks import Callback
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, deep_merge, validate_config
 from fedcluster.data.federation import Federation
+from fedcluster.engine.modes import LossFn
 from fedcluster.errors import ConfigError
 from fedcluster.plugins import import_object
 from fedcluster.runner import Experiment
@@ -238,6 +239,7 @@ def run(
     name: str = "experiment",
     report: bool = True,
     progress: bool = False,
+    loss: LossFn | None = None,
 ) -> RunResult:
     """Run ``algorithms`` on ``federation`` with ``model``; write the run directory ``out``.
 
@@ -260,6 +262,9 @@ def run(
             ``on_round_end`` to stop a job).
         report: write ``report.html`` and ``report.md`` as the CLI does.
         progress: progress bars.
+        loss: a loss function ``(logits, targets) -> mean loss`` instead of
+            cross-entropy (recorded by import path where it has one; or name it in
+            ``train={"loss": "package.module:function"}``).
 
     Returns:
         The run directory read back (:class:`RunResult`).
@@ -279,7 +284,9 @@ def run(
         model=model_path,
         federation=fed_path,
     )
-    experiment = Experiment(cfg, model=model_obj, federation=fed_obj, callbacks=callbacks)
+    experiment = Experiment(
+        cfg, model=model_obj, federation=fed_obj, callbacks=callbacks, loss=loss
+    )
     path = Path(out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError(f"out: {path} exists and is not an empty directory; choose another")
@@ -296,9 +303,11 @@ def resume(
     report: bool = True,
     progress: bool = False,
     trust: bool = False,
+    loss: LossFn | None = None,
 ) -> RunResult:
     """Continue a killed run; pass the model and federation objects it was started with
-    (their hashes are checked against ``config.yaml``) when it was started with objects.
+    (their hashes are checked against ``config.yaml``) when it was started with objects,
+    and the ``loss`` function when it was passed and cannot be imported by path.
     ``trust`` imports the code its config names even where no checkpoint vouches for it
     (:func:`fedcluster.rundir.check_resumable`)."""
     _resume(
@@ -308,6 +317,7 @@ def resume(
         model=model,
         federation=federation,
         trust=trust,
+        loss=loss,
     )
     return RunResult.load(run_dir, _write_report(Path(run_dir)) if report else None)
 

@@ -16,6 +16,10 @@ can. Passed from Python they are recorded as:
   The command line cannot rebuild those: it stops with one line saying how to
   resume from Python (``fedcluster.resume(run_dir, model=..., federation=...)``),
   which checks that the objects passed hash the same.
+
+A loss function passed from Python is recorded in ``train.loss`` by its import
+path when that path gives the same function back, else as ``given:<name>``,
+which only ``fedcluster.resume(run_dir, loss=...)`` can resume.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch import nn
 
 from fedcluster.config import ExperimentConfig
 from fedcluster.data.federation import Federation
-from fedcluster.errors import FedclusterError
+from fedcluster.engine.modes import DEFAULT_LOSS, GIVEN_LOSS, LossFn
+from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.plugins import import_object
 
 
 def _update(h: hashlib._Hash, value: torch.Tensor | np.ndarray | None) -> None:
@@ -71,15 +77,18 @@ def federation_sha256(federation: Federation) -> str:
 
 
 def record_given(
-    config: ExperimentConfig, model: nn.Module | None, federation: Federation | None
+    config: ExperimentConfig,
+    model: nn.Module | None,
+    federation: Federation | None,
+    loss: LossFn | None = None,
 ) -> ExperimentConfig:
     """``config`` with the hashes of the objects given; a one-line error when the
     config says an object was given and it is missing, or differs from the one recorded."""
-    missing = missing_objects(config, model, federation)
+    missing = missing_objects(config, model, federation, loss)
     if missing:
         raise FedclusterError(
             f"the config records {' and '.join(missing)} passed from Python; pass the same "
-            f"object(s) again (model=..., federation=...)"
+            f"object(s) again (model=..., federation=..., loss=...)"
         )
     changes = {}
     for section, obj, digest in (
@@ -97,14 +106,41 @@ def record_given(
                 f"{recorded[:12]}): pass the same {what} the run was started with"
             )
         changes[section] = getattr(config, section).model_copy(update={"given": value})
-    return config.model_copy(update=changes) if changes else config
+    return record_loss(config.model_copy(update=changes) if changes else config, loss)
+
+
+def record_loss(config: ExperimentConfig, loss: LossFn | None) -> ExperimentConfig:
+    """``config`` with ``train.loss`` naming the loss function passed from Python:
+    its import path when importable, else ``given:<qualified name>``."""
+    if loss is None:
+        return config
+    recorded = config.train.loss
+    if recorded.startswith(GIVEN_LOSS):
+        return config  # a resume from Python passes the function again
+    name = f"{getattr(loss, '__module__', '?')}:{getattr(loss, '__qualname__', '?')}"
+    try:
+        importable = import_object(name, "loss") is loss
+    except ConfigError:
+        importable = False
+    value = name if importable else GIVEN_LOSS + name
+    if recorded not in (DEFAULT_LOSS, value):
+        raise FedclusterError(
+            f"loss: a function was passed from Python and train.loss names {recorded!r}; "
+            "give one of them"
+        )
+    return config.model_copy(update={"train": config.train.model_copy(update={"loss": value})})
 
 
 def missing_objects(
-    config: ExperimentConfig, model: object | None = None, federation: object | None = None
+    config: ExperimentConfig,
+    model: object | None = None,
+    federation: object | None = None,
+    loss: object | None = None,
 ) -> list[str]:
     """What the config says was passed from Python as an object and is not passed now."""
     out = []
+    if config.train.loss.startswith(GIVEN_LOSS) and loss is None:
+        out.append(f"the loss function {config.train.loss.removeprefix(GIVEN_LOSS)}")
     if config.model.given is not None and model is None:
         out.append(f"a model object (sha256 {config.model.given[:12]})")
     if config.data.given is not None and federation is None:
@@ -117,13 +153,18 @@ def check_rebuildable(
     config: ExperimentConfig,
     model: object | None = None,
     federation: object | None = None,
+    loss: object | None = None,
 ) -> None:
     """One line, before anything is read or written, when ``run_dir`` needs objects
     passed from Python that are not passed (on the command line: none is)."""
-    missing = missing_objects(config, model, federation)
+    missing = missing_objects(config, model, federation, loss)
     if missing:
-        needed = [("model=...", config.model.given), ("federation=...", config.data.given)]
-        args = ", ".join(arg for arg, given in needed if given is not None)
+        needed = [
+            ("model=...", config.model.given is not None),
+            ("federation=...", config.data.given is not None),
+            ("loss=...", config.train.loss.startswith(GIVEN_LOSS)),
+        ]
+        args = ", ".join(arg for arg, given in needed if given)
         raise FedclusterError(
             f"{run_dir} was started from Python with {' and '.join(missing)}, which the "
             f"command line cannot rebuild; resume it from Python: "

@@ -178,7 +178,8 @@ class Experiment:
         loss: LossFn | None = None,
     ) -> None:
         check_algorithms(config)
-        self.config = record_given(config, model, federation)  # config.yaml: how to rebuild
+        # config.yaml: how to rebuild the model, the data and the loss
+        self.config = record_given(config, model, federation, loss)
         self._model = model
         self._federation = federation
         self.callbacks = list(callbacks)
@@ -492,25 +493,27 @@ def resume(
     model: nn.Module | None = None,
     federation: Federation | None = None,
     trust: bool = False,
+    loss: LossFn | None = None,
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config.
 
     The config must be the one the checkpoints were written with; code it
     imports is imported only then or with ``trust``
     (:func:`~fedcluster.rundir.check_resumable`). A run started with a model or
-    federation object (``model.given``, ``data.given`` in its config) needs the
-    same objects again as ``model`` and ``federation`` (their hashes are
+    federation object (``model.given``, ``data.given`` in its config) or a loss
+    function that cannot be imported (``train.loss: given:...``) needs the same
+    objects again as ``model``, ``federation`` and ``loss`` (the objects' hashes are
     checked); without them it stops with one line before touching the run
     directory (:mod:`fedcluster.rebuild`).
     """
     path = Path(out)
     config = validate_config(load_yaml(path / "config.yaml"))
     check_resumable(RunDirectory(path), config, trust)
-    check_rebuildable(path, config, model, federation)
+    check_rebuildable(path, config, model, federation, loss)
     if experiment_factory is not None:
         experiment = experiment_factory(config)
     else:
-        experiment = Experiment(config, model=model, federation=federation)
+        experiment = Experiment(config, model=model, federation=federation, loss=loss)
     experiment.callbacks += list(callbacks)
     try:
         return experiment.run(path, resume=True, progress=progress)

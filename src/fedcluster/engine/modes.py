@@ -40,6 +40,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(logits [B, C], targets [B]) -> mean loss`` (a scalar), like ``F.cross_entropy``."""
 
 DEFAULT_LOSS = "cross_entropy"
+GIVEN_LOSS = "given:"
+"""Prefix of ``train.loss`` for a loss function passed from Python that cannot be
+imported by path (:func:`fedcluster.rebuild.record_loss`)."""
 
 
 def resolve_loss(name: str) -> LossFn | None:
@@ -47,6 +50,12 @@ def resolve_loss(name: str) -> LossFn | None:
     kernel's own), else the callable at import path ``"package.module:function"``."""
     if name == DEFAULT_LOSS:
         return None
+    if name.startswith(GIVEN_LOSS):
+        raise ConfigError(
+            f"train.loss: the run was started from Python with the loss function "
+            f"{name.removeprefix(GIVEN_LOSS)}, which cannot be imported; resume it from "
+            "Python with fedcluster.resume(run_dir, loss=...)"
+        )
     loss = import_object(name, "loss")
     if not callable(loss):
         raise ConfigError(f"train.loss: {name!r} is {type(loss).__name__}, not a function")
