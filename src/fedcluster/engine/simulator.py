@@ -114,13 +114,16 @@ class Simulator(ClientClock):
         self._nonfinite = _nonfinite_clients(self._x_flat, federation.train_offsets)
 
     def _follow_data_changes(self) -> None:
-        """Bring what the kernel derives from the training inputs (the used input
-        features, the Gram matrices) up to date after in-place changes (drift)."""
+        """Bring what is derived from the training inputs (which clients hold non-finite
+        ones; the kernel's used input features and Gram matrices) up to date after
+        in-place changes (drift)."""
         changed = np.flatnonzero(self.federation.revisions != self._revisions)
-        if len(changed) == 0 or self.kernel is None:
+        if len(changed) == 0:
             return
         self._revisions = self.federation.revisions.copy()
         self._nonfinite = _nonfinite_clients(self._x_flat, self.federation.train_offsets)
+        if self.kernel is None:
+            return
         features = _nonzero_span(self._x_flat)
         if features == self._features:
             self._grams.invalidate(changed)
