@@ -223,6 +223,8 @@ def named_config_cases() -> list[Case]:
             written("c.yaml", "name: !!python/object/apply:os.system [id]\n", run_args("c.yaml")),
         ),
         ("config missing", run_args("nope.yaml")),
+        ("config with a control character", written("c.yaml", "a: \x90\n", run_args("c.yaml"))),
+        ("--set with a control character", run_args("--set", "train.lr=\x90")),
         ("--out /proc/version/x", cli("run", *TINY, "--out", "/proc/version/x")),
         ("--out /proc/x", cli("run", *TINY, "--out", "/proc/fedcluster-x")),
         ("--out under a file", written("f", "x", cli("run", *TINY, "--out", "f/run"))),

@@ -64,7 +64,10 @@ ISSUE_21 = {  # one-line errors of what issue 21 found ending in a traceback, ha
     "anchor-bomb": _anchor_bomb,
     "nested-50000": _nested,
     "config-dev-zero": lambda tmp_path: (["/dev/zero"], "not a regular file"),
-    "rounds-true": lambda tmp_path: (["--set", "rounds=true"], "field 'rounds': expected a number"),
+    "count-true": lambda tmp_path: (  # `rounds: true` ran 1 round (--rounds 1 wins here)
+        ["--set", "eval_every=true"],
+        "field 'eval_every': expected a number",
+    ),
     "label-as-text": lambda tmp_path: (
         ["--set", "scenario.drift=[{kind: swap_labels, rounds: [1], labels: ['7', 1]}]"],
         "labels.0': expected a number",

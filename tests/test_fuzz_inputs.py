@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedcluster.cli import main
+from fedcluster.config import resolve_config
+from fedcluster.errors import ConfigError
 
 TINY: dict[str, Any] = {
     "name": "fuzz",
@@ -182,3 +184,36 @@ def test_corrupt_idx_files_exit_0_or_2(name, how, where, capsys):
 def test_the_tiny_config_itself_runs(capsys):
     code, _ = _run(yaml.safe_dump(TINY), [])
     assert code == 0
+
+
+# Texts a --set value can be: scalars of every type, YAML aliases, deep nesting.
+SET_TEXTS = st.one_of(
+    st.sampled_from(["true", "'7'", "1e300", "-1", ".nan", "&a [*a, *a]", "[" * 5000 + "]" * 5000]),
+    st.integers(-(10**40), 10**40).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.text(max_size=12),
+)
+SET_KEYS = [
+    "rounds",
+    "seeds",
+    "train.lr",
+    "train.batch_size",
+    "name",
+    "model.options.hidden",
+    "privacy.epsilon",
+    "scenario.drift",
+    "data.partition.n_clients",
+    "group_size",
+]
+
+
+@settings(max_examples=30, deadline=2000)  # never a hang: each example within 2 s
+@given(key=st.sampled_from(SET_KEYS), text=SET_TEXTS)
+def test_set_values_are_a_valid_config_or_one_config_error(key, text):
+    try:
+        config = resolve_config(None, None, [f"{key}={text}"])
+    except ConfigError as exc:
+        assert "\n" not in str(exc) or str(exc).startswith("invalid config:")
+    else:  # accepted: the values are the strict types the schema declares
+        assert type(config.rounds) is int and all(type(s) is int and s >= 0 for s in config.seeds)
+        assert isinstance(config.train.lr, float) and 0 < config.train.lr <= 1000

@@ -55,6 +55,11 @@ class JobResult:
     wall_seconds: float
 
 
+PREPARED = (".lock", "deployment")
+"""What a new run's directory may hold already: its lock, and the ``deployment/`` folder
+``fedcluster flower local`` writes before its ServerApp starts the run."""
+
+
 class RunDirectory:
     """Reads and writes the files of a run directory, atomically where it matters."""
 
@@ -98,7 +103,8 @@ class RunDirectory:
 
     @contextmanager
     def claim(self) -> Iterator[None]:
-        """Hold a new run's directory: created here (``mkdir``, exclusive) or empty.
+        """Hold a new run's directory: created here (``mkdir``, exclusive) or empty
+        (but for :data:`PREPARED`).
 
         The lock is taken before the directory is looked at, so of two runs
         started with the same ``--out`` one gets the directory and the other a
@@ -121,7 +127,7 @@ class RunDirectory:
                 f"--out {self.path}: cannot create the run directory ({exc.strerror})"
             ) from None
         with self.lock():
-            if not created and any(p.name != ".lock" for p in self.path.iterdir()):
+            if not created and any(p.name not in PREPARED for p in self.path.iterdir()):
                 raise FedclusterError(
                     f"run directory {self.path} is not empty; choose another --out"
                 )

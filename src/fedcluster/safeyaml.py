@@ -99,16 +99,17 @@ def loads(text: str, source: str) -> Any:
     """Parse YAML (or JSON) text within the limits; errors name ``source``."""
     if len(text) > MAX_BYTES:
         raise ConfigError(f"{source} is larger than {MAX_BYTES:,} bytes")
-    loader = _LimitedLoader(text)
     try:
-        value = loader.get_single_data()
+        loader = _LimitedLoader(text)  # the reader refuses control characters here
+        try:
+            value = loader.get_single_data()
+        finally:
+            loader.dispose()
     except _TooDeep:
         raise ConfigError(f"{source} is nested deeper than {MAX_DEPTH} levels") from None
     except yaml.YAMLError as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"{source} is not valid YAML: {detail}") from None
-    finally:
-        loader.dispose()
     return check_size(value, source)
 
 

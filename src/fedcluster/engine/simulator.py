@@ -140,9 +140,9 @@ class Simulator(ClientClock):
         self._test_chunks: np.ndarray | None = None  # distinct test sets, on first use
 
     def _follow_data_changes(self) -> None:
-        """Bring what the simulator derives from the clients' data (the distinct test
-        sets; for the kernel the used input features and the Gram matrices) up to
-        date after in-place changes (drift)."""
+        """Bring what the simulator derives from the clients' data (which clients hold
+        non-finite training inputs, the distinct test sets; for the kernel the used
+        input features and the Gram matrices) up to date after in-place changes (drift)."""
         changed = np.flatnonzero(self.federation.revisions != self._revisions)
         if len(changed) == 0:
             return
