@@ -66,6 +66,9 @@ RANK_TOLERANCE = 1e-6
 """Singular values below this share of the largest span no direction of a basis
 (the zero columns of labels a client lacks)."""
 
+ANGLE_CHUNK = 16
+"""Clients whose principal angles to all others are computed at a time."""
+
 
 def data_subspace(
     x: torch.Tensor, y: torch.Tensor, n_basis: int, n_classes: int | None
@@ -100,7 +103,11 @@ def principal_angles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     zero-padded bases ``a`` [m, f, r] and ``b`` [n, f, r]: [m, n, r] (Björck & Golub
     1973: the cosines are the singular values of aᵀb). A pair's angles beyond the
     smaller rank are padding (π/2)."""
-    cos = torch.linalg.svdvals(torch.einsum("ifr,jfs->ijrs", a, b))
+    chunks = [  # a chunk of rows of a at a time: [m, n, r, r] products are never held at once
+        torch.linalg.svdvals(torch.einsum("ifr,jfs->ijrs", a[lo : lo + ANGLE_CHUNK], b))
+        for lo in range(0, len(a), ANGLE_CHUNK)
+    ]
+    cos = torch.cat(chunks) if chunks else torch.empty(0, len(b), b.shape[-1], dtype=b.dtype)
     return torch.arccos(cos.clamp(0.0, 1.0))
 
 
