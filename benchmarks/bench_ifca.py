@@ -96,7 +96,7 @@ def _parts(*stamps: float) -> dict[str, float]:
 def fast_round(sim: Simulator, models: torch.Tensor, cfg, rnd: int) -> dict:
     """One IFCA round on the simulator, part by part; returns times and new models."""
     clients = np.arange(sim.federation.n_clients)
-    train = LocalTraining(**cfg.train.model_dump())
+    train = LocalTraining(**cfg.train.model_dump(exclude={"loss"}))
     ctx = Context.for_backend(sim, train, 0, models[0])
     t0 = _stamp()
     request = Request(

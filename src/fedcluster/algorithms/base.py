@@ -323,12 +323,15 @@ def init_row(model: nn.Module, seed: int, purpose: str, index: int = 0) -> torch
     """A freshly initialised flat parameter row, derived from ``(seed, purpose, index)``.
 
     Every submodule's ``reset_parameters`` runs under a forked global RNG
-    seeded from the derivation, so the result depends on nothing else.
+    seeded from the derivation, so the result depends on nothing else: on a
+    CPU copy of the model, so that a model the simulator moved to a GPU draws
+    the same row from the CPU generator, and the server gets a CPU row
+    (:mod:`fedcluster.engine.device`).
     """
     from fedcluster.engine.flat import ParamLayout
     from fedcluster.rng import derive_seed
 
-    fresh = copy.deepcopy(model)
+    fresh = copy.deepcopy(model).cpu()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, purpose, index))
         for module in fresh.modules():

@@ -83,7 +83,11 @@ def weighted_sgd(
     fed = sim.federation
     offset = int(fed.train_offsets[client])
     (plan,) = sim.plans([client], cfg, rnd, purpose)
-    w = start.clone()
+    device = fed.x_train.device  # train where the data is (engine.device)
+    w = start.to(device, copy=True)
+    anchor = None if anchor is None else anchor.to(device)
+    if sample_weight is not None:
+        sample_weight = sample_weight.to(device)
     total = 0.0
     for idx in plan:
         leaf = w.clone().requires_grad_(True)

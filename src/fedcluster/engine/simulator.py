@@ -690,9 +690,10 @@ class Simulator(ClientClock):
             losses = torch.empty(len(clients), k)
             sq = torch.empty(len(clients), k, dtype=torch.float64)
             dot = torch.empty(len(clients), k, dtype=torch.float64)
+            models, directions = models.to(self.device), directions.to(self.device)
             if self.kernel is not None:
-                params = self.kernel.unpack(models.to(self.device))
-                dirs = self.kernel.unpack(directions.to(self.device))
+                params = self.kernel.unpack(models)
+                dirs = self.kernel.unpack(directions)
             for i, idx in enumerate(batches):
                 idx = idx.to(self.device)
                 y = self.federation.y_train[idx]
