@@ -134,6 +134,6 @@ def test_pacfl_subspace_is_released_under_client_level_local_dp(tmp_path):
     with open(tmp_path / "client/metrics.csv", newline="") as f:
         (row,) = csv.DictReader(f)
     assert float(row["epsilon"]) > 0 and int(row["bytes_up"]) > 0
-    record = {**config, "privacy": {"mode": "record", "epsilon": 5.0}}
+    record = {**config, "privacy": {"mode": "record", "epsilon": 5.0, "max_participations": 1}}
     with pytest.raises(ConfigError, match="cannot release the pacfl-subspace upload"):
         Experiment(validate_config(record)).run(tmp_path / "record", progress=False)
