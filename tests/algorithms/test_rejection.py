@@ -31,8 +31,13 @@ PARAMS: dict[str, dict] = {
     "fesem": {"n_clusters": 2},
     "flhc": {"pretrain_rounds": 1, "n_clusters": 2},
     "cflgt": {"pretrain_rounds": 1, "cluster_fraction": None},
+    "pacfl": {"n_clusters": 2},
+    "wecfl": {"n_clusters": 2},
 }
 UPLOADS_NOTHING = {"local"}  # its models never leave the clients: nothing to reject
+OWN_TRAINING = {"fedem": "components", "fedsoft": "row"}
+"""Algorithms that train through a computation of their own (not ``sim.train``): their
+model upload field, corrupted where the reply leaves the backend."""
 
 # Corrupted clients per round (all: every client asked to train); round 2 is the
 # clustering round of FL+HC and CFLGT.
@@ -116,7 +121,35 @@ def assert_same_state(before: State, after: State) -> None:
 
 def test_every_uploading_algorithm_is_covered():
     shipped = {n for n, cls in ALGORITHMS.items() if cls.__module__.startswith("fedcluster.")}
-    assert set(PARAMS) == shipped - UPLOADS_NOTHING
+    assert set(PARAMS) | set(OWN_TRAINING) == shipped - UPLOADS_NOTHING
+
+
+@pytest.mark.parametrize("name", sorted(OWN_TRAINING))
+def test_non_finite_model_uploads_of_own_computations_are_rejected(federation, monkeypatch, name):
+    cls = ALGORITHMS[name]
+    ctx = make_context(federation, **MLP)
+    alg = cls(cls.Params(), ctx)
+    backend, field, bad = ctx.channel.backend, OWN_TRAINING[name], [1, 6]
+    run = backend.run
+
+    def corrupted(computation, clients, request):
+        returned = run(computation, clients, request)
+        if field in returned.fields:
+            rows = returned.fields[field].clone()
+            for i, c in enumerate(np.asarray(clients)):
+                if c in bad:
+                    rows[i].view(-1)[c] = float("nan")
+            returned.fields[field] = rows
+        return returned
+
+    monkeypatch.setattr(backend, "run", corrupted)
+    state = alg.init_state()
+    everyone = np.arange(N_CLIENTS)
+    for rnd in (1, 2):
+        assert np.isfinite(alg.run_round(state, rnd, everyone))
+        rows, _ = alg.eval_rows(state)  # (FedSoft's importances of a rejected client stay NaN:
+        assert torch.isfinite(rows).all()  # "never estimated", fedsoft.FedSoftState)
+    assert sorted(set(ctx.rejected)) == bad
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))

@@ -213,7 +213,7 @@ def test_a_user_loss_by_import_path_or_from_python_gives_the_same_run(tmp_path):
     Experiment(validate_config(config)).run(tmp_path / "path", progress=False)
     assert_same_run(tmp_path / "python", tmp_path / "path")
     bad = {**config, "train": {"loss": "tests.engine.test_any_module:nowhere"}}
-    with pytest.raises(ConfigError, match="train.loss: cannot import"):
+    with pytest.raises(ConfigError, match="train.loss: loss .* cannot be imported"):
         Experiment(validate_config(bad)).run(tmp_path / "bad", progress=False)
 
 

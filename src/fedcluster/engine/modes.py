@@ -56,7 +56,10 @@ def resolve_loss(name: str) -> LossFn | None:
             f"{name.removeprefix(GIVEN_LOSS)}, which cannot be imported; resume it from "
             "Python with fedcluster.resume(run_dir, loss=...)"
         )
-    loss = import_object(name, "loss")
+    try:
+        loss = import_object(name, "loss")
+    except ConfigError as exc:
+        raise ConfigError(f"train.loss: {exc}") from None
     if not callable(loss):
         raise ConfigError(f"train.loss: {name!r} is {type(loss).__name__}, not a function")
     return loss
