@@ -97,7 +97,7 @@ from fedcluster.algorithms.fedavg import FedAvg, FedAvgState
 from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
-from fedcluster.dp import release_vectors
+from fedcluster.engine.client_computations import vector_release
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -121,24 +121,13 @@ def _classes(request: Request) -> tuple[int, ...]:
     return (int(request.settings["n_classes"]), 2)
 
 
-def _release_trajectory(
-    request: Request, reply: Payload, clients: np.ndarray, seed: int
-) -> Payload:
-    """Client-level local DP of the 2·C floats (:func:`fedcluster.dp.release_vectors`)."""
-    assert request.own_settings is not None
-    tickets = [s["ticket"] for s in request.own_settings]
-    rnd = int(request.settings["round"])
-    traj = release_vectors(tickets, clients, reply["trajectory"], seed, rnd, "trajectory")
-    return {"trajectory": traj}
-
-
 TRAJECTORY = register_computation(
     ClientComputation(
         name="cflgt-trajectory",
         reply={"trajectory": ReplyField(_classes)},
         batched_run=_trajectory,
         privacy="release",
-        release=_release_trajectory,
+        release=vector_release("trajectory", "trajectory"),
     )
 )
 """CFLGT's client computation (Sec. III, eqs. 6-8): the client's gradient trajectory

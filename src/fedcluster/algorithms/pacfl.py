@@ -52,7 +52,7 @@ from pydantic import Field
 from fedcluster.algorithms.base import AlgorithmParams, State, log, register
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotState
 from fedcluster.clustering.methods import Linkage, hierarchical
-from fedcluster.dp import release_vectors
+from fedcluster.engine.client_computations import vector_release
 from fedcluster.engine.computation import (
     ClientComputation,
     ClientData,
@@ -138,21 +138,13 @@ def _basis_shape(request: Request) -> tuple[int, ...]:
     )
 
 
-def _release_subspace(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
-    """Client-level local DP of the basis (:func:`fedcluster.dp.release_vectors`)."""
-    assert request.own_settings is not None
-    tickets = [s["ticket"] for s in request.own_settings]
-    rnd = int(request.settings["round"])
-    return {"basis": release_vectors(tickets, clients, reply["basis"], seed, rnd, "pacfl")}
-
-
 SUBSPACE = register_computation(
     ClientComputation(
         name="pacfl-subspace",
         reply={"basis": ReplyField(_basis_shape)},
         run_one_client=_subspace,
         privacy="release",
-        release=_release_subspace,
+        release=vector_release("basis", "pacfl"),
     )
 )
 """PACFL's client computation (Alg. 1 line 3): the first p left singular vectors of

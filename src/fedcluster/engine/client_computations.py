@@ -20,11 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.dp import release_uploads
+from fedcluster.dp import release_uploads, release_vectors
 from fedcluster.engine.computation import (
     ClientComputation,
     ClientRunner,
     Payload,
+    Release,
     ReplyField,
     Request,
     register_computation,
@@ -62,6 +63,20 @@ def release_trained(
         tickets, clients, start, reply["row"], reply["steps"], seed, request.settings["round"]
     )
     return {**reply, "row": rows}
+
+
+def vector_release(field: str, purpose: str) -> Release:
+    """The local-DP release of a reply whose ``field`` is one vector per client (CFLGT's
+    trajectory, PACFL's subspace): client-level clipping and Gaussian noise where the
+    client is (:func:`fedcluster.dp.release_vectors`), its noise stream named ``purpose``."""
+
+    def release(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
+        assert request.own_settings is not None
+        tickets = [s["ticket"] for s in request.own_settings]
+        rnd = int(request.settings["round"])
+        return {**reply, field: release_vectors(tickets, clients, reply[field], seed, rnd, purpose)}
+
+    return release
 
 
 def _release_training(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
