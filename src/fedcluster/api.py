@@ -288,9 +288,7 @@ def run(
         cfg, model=model_obj, federation=fed_obj, callbacks=callbacks, loss=loss
     )
     path = Path(out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ConfigError(f"out: {path} exists and is not an empty directory; choose another")
-    experiment.run(path, progress=progress)
+    experiment.run(path, progress=progress)  # claims the directory: new or empty (rundir.claim)
     return RunResult.load(path, _write_report(path) if report else None)
 
 
