@@ -82,8 +82,9 @@ def record_given(
     federation: Federation | None,
     loss: LossFn | None = None,
 ) -> ExperimentConfig:
-    """``config`` with the hashes of the objects given; a one-line error when the
-    config says an object was given and it is missing, or differs from the one recorded."""
+    """``config`` with the hashes of the objects given and the loss function's name
+    (:func:`record_loss`); a one-line error when the config says an object was given
+    and it is missing, or differs from the one recorded."""
     missing = missing_objects(config, model, federation, loss)
     if missing:
         raise FedclusterError(
