@@ -56,6 +56,7 @@ from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rebuild import check_rebuildable, record_given
 from fedcluster.rng import numpy_rng
 from fedcluster.rundir import (
+    Checkpoint,
     JobResult,
     RunDirectory,
     check_resumable,
@@ -254,15 +255,23 @@ class Experiment:
             federation, pool = self.data(seed)
             if isinstance(federation, Federation):  # the nodes hold the data on Flower
                 federation = federation.to(device)
-            scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
-            model = self.model(federation)
-            start_row = init_row(model, seed, "init")
+            setting, scenario = self.setting(federation, seed)
             for spec in cfg.algorithms:
-                job = Job(self, run, spec, seed, (federation, model, start_row), (scenario, pool))
+                job = Job(self, run, spec, seed, setting, (scenario, pool))
                 results.append(job.run(rundir, resume, last, callbacks))
         for callback in callbacks:
             callback.on_run_end(run, results)
         return results
+
+    def setting(
+        self, federation: FederationView, seed: int
+    ) -> tuple[tuple[FederationView, nn.Module, torch.Tensor], Scenario]:
+        """What every job of a seed shares: (federation, model, initial row), and the
+        seed's scenario."""
+        cfg = self.config
+        model = self.model(federation)
+        scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
+        return (federation, model, init_row(model, seed, "init")), scenario
 
 
 class BackendFactory(Protocol):
@@ -372,13 +381,12 @@ class Job:
             callback.on_job_end(info, result)
         return result
 
-    def _restore(self, rundir: RunDirectory) -> State | None:
-        """The checkpointed state of a resumed job (``None``: start afresh), its rows
-        and round; the run directory's tables cut back to the checkpoint."""
+    def checkpointed(self, rundir: RunDirectory) -> tuple[Checkpoint, State] | None:
+        """The job's checkpoint in ``rundir`` and the server state it holds, checked
+        against the run's config (None: the job has no checkpoint)."""
         info = self.info
         path = rundir.checkpoint_path(info.label, info.seed)
         if not path.exists():
-            rundir.rebuild_job(info.label, info.seed, {})
             return None
         ckpt = load_checkpoint(path)
         ckpt.check(path, info.label, info.seed, self.config)
@@ -388,6 +396,17 @@ class Job:
             raise FedclusterError(
                 f"checkpoint {path} does not hold a {info.label} state: {exc}"
             ) from None
+        return ckpt, state
+
+    def _restore(self, rundir: RunDirectory) -> State | None:
+        """The checkpointed state of a resumed job (``None``: start afresh), its rows
+        and round; the run directory's tables cut back to the checkpoint."""
+        info = self.info
+        found = self.checkpointed(rundir)
+        if found is None:
+            rundir.rebuild_job(info.label, info.seed, {})
+            return None
+        ckpt, state = found
         info.first_round = ckpt.round + 1
         info.rows = ckpt.rows
         info.wall_offset = ckpt.wall_seconds
@@ -507,9 +526,7 @@ def resume(
     directory (:mod:`fedcluster.rebuild`).
     """
     path = Path(out)
-    config = validate_config(load_yaml(path / "config.yaml"))
-    check_resumable(RunDirectory(path), config, trust)
-    check_rebuildable(path, config, model, federation, loss)
+    config = checked_config(path, trust, model, federation, loss)
     if experiment_factory is not None:
         experiment = experiment_factory(config)
     else:
@@ -525,3 +542,19 @@ def resume(
             f"cannot resume {path}: {first} -- do the model and data rebuilt from "
             f"config.yaml (model.name, data) still match the run's checkpoints?"
         ) from exc
+
+
+def checked_config(
+    path: Path,
+    trust: bool,
+    model: nn.Module | None = None,
+    federation: Federation | None = None,
+    loss: LossFn | None = None,
+) -> ExperimentConfig:
+    """A run directory's config, once its checkpoints vouch for it and the objects it was
+    started with from Python are passed (:func:`~fedcluster.rundir.check_resumable`,
+    :func:`~fedcluster.rebuild.check_rebuildable`): what may be imported and built."""
+    config = validate_config(load_yaml(path / "config.yaml"))
+    check_resumable(RunDirectory(path), config, trust)
+    check_rebuildable(path, config, model, federation, loss)
+    return config
