@@ -460,29 +460,47 @@ def format_assignments(assignments: list[Assignment]) -> str:
 
 
 def summarise(rows: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The report's table of ``assign.csv`` rows: per algorithm and group, the mean
-    accuracy of each rule's choice over the recorded devices and how often each
-    label-free rule chose the labelled choice's model."""
-    devices: dict[tuple[str, str], dict[tuple[str, str], dict[str, dict[str, str]]]] = {}
+    """The report's table of ``assign.csv`` rows: per algorithm (in the rows' order) and
+    true group (then ``all`` groups), the mean accuracy of each rule's choice over the
+    recorded devices and how often each label-free rule chose the labelled rule's model.
+    A device recorded again (same algorithm, seed and file name) counts once, as last
+    recorded."""
+    devices: dict[str, dict[tuple[str, str], dict[str, dict[str, str]]]] = {}
     for r in rows:
-        key = (r["algorithm"], r["group"])
-        devices.setdefault(key, {}).setdefault((r["seed"], r["data"]), {})[r["rule"]] = r
+        per_device = devices.setdefault(r["algorithm"], {})
+        per_device.setdefault((r["seed"], r["data"]), {})[r["rule"]] = r
     out = []
-    for (algorithm, group), per_device in devices.items():
-        row = {"algorithm": algorithm, "group": group or "?", "devices": str(len(per_device))}
-        for rule in RULES:
-            accs = [_float(d[rule]["accuracy"]) for d in per_device.values() if rule in d]
-            accs = [a for a in accs if not math.isnan(a)]
-            row[f"{rule} acc"] = f"{np.mean(accs):.4f}" if accs else ""
-        for rule in LABEL_FREE:
-            same = [
-                d[rule]["model"] == d[rule]["labelled_model"]
-                for d in per_device.values()
-                if rule in d and d[rule]["labelled_model"]
-            ]
-            row[f"{rule} = loss"] = f"{sum(same)}/{len(same)}" if same else ""
-        out.append(row)
+    for algorithm, per_device in devices.items():
+        groups = sorted({d[next(iter(d))]["group"] for d in per_device.values()}, key=_group_key)
+        parts = [
+            (g, [d for d in per_device.values() if d[next(iter(d))]["group"] == g]) for g in groups
+        ]
+        if len(groups) > 1:
+            parts.append(("all", list(per_device.values())))
+        out += [_summary_row(algorithm, group or "?", found) for group, found in parts]
     return out
+
+
+def _group_key(group: str) -> tuple[int, str]:
+    return (int(group), "") if group.lstrip("-").isdigit() else (1 << 62, group)
+
+
+def _summary_row(
+    algorithm: str, group: str, found: list[dict[str, dict[str, str]]]
+) -> dict[str, str]:
+    row = {"algorithm": algorithm, "group": group, "devices": str(len(found))}
+    for rule in RULES:
+        accs = [_float(d[rule]["accuracy"]) for d in found if rule in d]
+        accs = [a for a in accs if not math.isnan(a)]
+        row[f"{rule} acc"] = f"{np.mean(accs):.4f}" if accs else ""
+    for rule in LABEL_FREE:
+        same = [
+            d[rule]["model"] == d[rule]["labelled_model"]
+            for d in found
+            if rule in d and d[rule]["labelled_model"]
+        ]
+        row[f"{rule} = loss"] = f"{sum(same)}/{len(same)}" if same else ""
+    return row
 
 
 def _float(text: str) -> float:
