@@ -182,3 +182,6 @@ def test_cli_round_trip_on_a_finished_run(tmp_path, capsys):
     assert "\n" not in err and "the run's model takes (1, 8, 8)" in err
     assert main(["assign", str(out), "--data", str(data), "--algorithms", "jgl"]) == 2
     assert "has no algorithm jgl (it has ifca, fedavg)" in capsys.readouterr().err
+    (out / "checkpoints" / "fedavg-seed0.pt").unlink()
+    assert main(args) == 2
+    assert "fedavg seed 0 has not finished (round 0 of 2)" in capsys.readouterr().err

@@ -127,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=".npz with x [N, *input shape], optionally y (labels) and group (an integer); "
         "or a client file of `fedcluster flower export` (x_test, y_test)",
     )
-    _algorithms_flag(asg)
-    asg.add_argument("--seed", type=int, help="only this seed's jobs")
+    asg.add_argument(
+        "--algorithms",
+        help="comma-separated labels of the run's algorithms (as in metrics.csv); default: all",
+    )
+    asg.add_argument("--seed", type=int, help="only this seed's jobs (default: every seed)")
     asg.add_argument("--json", action="store_true", help="print the choices as JSON")
     asg.add_argument(
         "--record",

@@ -49,7 +49,7 @@ import math
 import os
 import stat
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -307,10 +307,6 @@ class FinishedRun:
                 )
         return out
 
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return self.jobs[0].input_shape
-
     def read(self, file: str | Path) -> DeviceData:
         """A device's data file, checked against the run's model input (module doc)."""
         job = self.jobs[0]
@@ -324,7 +320,13 @@ class FinishedRun:
         return result
 
 
-def _select(items: Sequence[Any], wanted: Sequence[Any] | None, key, what: str, path: Path):
+def _select(
+    items: Sequence[Any],
+    wanted: Sequence[Any] | None,
+    key: Callable[[Any], str],
+    what: str,
+    path: Path,
+) -> list[Any]:
     """``items`` whose ``key`` is in ``wanted`` (all when None), in run order."""
     if wanted is None:
         return list(items)
