@@ -11,8 +11,10 @@ the device's samples ``x_1..x_N`` with ``p_k(x) = softmax(f_k(x))``:
   ``H_k = 1/N Σ_i −Σ_c p_k(x_i)_c log p_k(x_i)_c`` (nats). Entropy as a
   label-free measure of how well a model fits shifted test data is Tent's
   objective (Wang et al., "Tent: Fully Test-Time Adaptation by Entropy
-  Minimization", ICLR 2021, Sec. 3, eq. 1: lower entropy goes with lower error
-  under shift, their Fig. 1); here it selects a model instead of adapting one.
+  Minimization", ICLR 2021: the test entropy H(ŷ) = −Σ_c p(ŷ_c) log p(ŷ_c) of
+  Sec. 3, chosen because "more confident predictions are all-in-all more
+  correct" and entropy grows with shift, Sec. 1); here it selects a model
+  instead of adapting one.
 - ``confidence`` (label-free): the highest mean maximum softmax probability
   ``C_k = 1/N Σ_i max_c p_k(x_i)_c``, the baseline score of Hendrycks & Gimpel
   ("A Baseline for Detecting Misclassified and Out-of-Distribution Examples in
