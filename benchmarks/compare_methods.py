@@ -87,7 +87,7 @@ def run(
 def table(jobs: list[dict]) -> list[dict[str, str]]:
     """Mean ± sd over seeds of final accuracy and purity, per setting and algorithm."""
     rows = []
-    for setting in dict.fromkeys(j["setting"] for j in jobs):
+    for setting in [s for s in SETTINGS if any(j["setting"] == s for j in jobs)]:
         mine = [j for j in jobs if j["setting"] == setting]
         for alg in dict.fromkeys(j["algorithm"] for j in mine):
             s = [j for j in mine if j["algorithm"] == alg]
