@@ -24,11 +24,12 @@
 # it too (carry=[".gpudata/cifar10", ".gpuresume"]): they are copied into $OUT first.
 # Settings by environment: BUDGET (seconds for the jobs, default 400), ROUNDS_S2 (65),
 # ROUNDS_ROT (60), LENET_EPOCHS (20), IFCA_CNN_EPOCHS (30), DEVICE (cuda), DATA (.gpudata),
-# SETS_S2 / SETS_ROT (extra --set arguments, e.g. for a CPU smoke run).
+# SETS_S2 / SETS_ROT (extra --set arguments) and SANITY_SUBSET (training images of the
+# sanity rows, default 0: all), e.g. for a CPU smoke run.
 export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 BUDGET=${BUDGET:-400} ROUNDS_S2=${ROUNDS_S2:-65} ROUNDS_ROT=${ROUNDS_ROT:-60}
 LENET_EPOCHS=${LENET_EPOCHS:-20} IFCA_CNN_EPOCHS=${IFCA_CNN_EPOCHS:-30}
-DEVICE=${DEVICE:-cuda} DATA=${DATA:-.gpudata}
+DEVICE=${DEVICE:-cuda} DATA=${DATA:-.gpudata} SANITY_SUBSET=${SANITY_SUBSET:-0}
 OUT=${OUT:?set OUT to the results folder}
 mkdir -p "$OUT/runs" "$OUT/logs"
 [ -d .gpuresume ] && cp -rn .gpuresume/. "$OUT/"
@@ -77,7 +78,7 @@ sanity() {
   if grep -q '"complete": true' "$file" 2>/dev/null; then echo "sanity $1: complete"; return; fi
   if [ "$left" -lt 30 ]; then echo "sanity $1: no time left"; return; fi
   timeout -s INT "$left" python3 -m benchmarks.cifar_sanity --preset "$2" --epochs "$3" \
-    --device "$DEVICE" --data-dir "$DATA" --out "$file"
+    --device "$DEVICE" --data-dir "$DATA" --train-subset "$SANITY_SUBSET" --out "$file"
   echo "sanity $1: exit $? at $((SECONDS - T0)) s"
 }
 
