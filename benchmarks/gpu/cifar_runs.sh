@@ -9,30 +9,35 @@
 #               50.51 last-20-round mean), $ROUNDS_S2 rounds (25 of pre-training)
 #   rot-ifca    preset ifca-rotated-cifar10 (IFCA Table 1: 81.51%), $ROUNDS_ROT rounds
 # then a table per setting (benchmarks/reproduce.py summarize: last-20 / final accuracy,
-# clusters, purity, ARI). Everything is written under $OUT:
-#   sanity-lenet.json, sanity-ifca-cnn.json, runs/<job>/ (run directories: metrics.csv,
-#   clusters.csv, checkpoints/), logs/<job>.log, cflgt-s2/summarize.json,
-#   rotated/summarize.json, status.txt
+# clusters, purity, ARI). Everything is written under $OUT: sanity-lenet-e<epochs>.json,
+# sanity-ifca-cnn-e<epochs>.json (one row per epoch), runs/<job>-r<rounds>/ (run
+# directories: metrics.csv, clusters.csv, checkpoints/), logs/<job>.log,
+# cflgt-s2/summarize.json, rotated/summarize.json and status.txt.
 #
 # Run from the repository root with the FULL CIFAR-10 (the 60 MiB cifar10-images.zip of
 # shared/data, not a subset) in .gpudata/cifar10/:
 #   mkdir -p .gpudata/cifar10 && cp "$FEDCLUSTER_DATA"/cifar10/cifar10-images.zip .gpudata/cifar10/
 #   run(command="bash benchmarks/gpu/cifar_runs.sh", carry=[".gpudata/cifar10"], timeout_s=560)
 # Resuming: a job whose run directory has summary.json is skipped, one with checkpoints
-# resumes (`fedcluster resume`), a sanity JSON with "complete": true is kept. $OUT is empty
-# on every call, so copy the files a cut-short call brought back into .gpuresume/ and carry
-# it too (carry=[".gpudata/cifar10", ".gpuresume"]): they are copied into $OUT first.
+# resumes to its own round count (`fedcluster resume`), a sanity JSON with "complete": true
+# is kept. $OUT is empty on every call, so copy what a cut-short call brought back into
+# .gpuresume/ and carry it too (carry=[".gpudata/cifar10", ".gpuresume"]); it is copied
+# into $OUT first. Carried paths total at most 64 MiB and the data take 60: carry back the
+# small run directories (s2-*, sanity JSONs) and leave out rot-ifca's (its checkpoints hold
+# two 1.8M-parameter models, ~14 MB; that job then starts again).
 # Settings by environment: BUDGET (seconds for the jobs, default 400), ROUNDS_S2 (65),
 # ROUNDS_ROT (60), LENET_EPOCHS (20), IFCA_CNN_EPOCHS (30), DEVICE (cuda), DATA (.gpudata),
-# SETS_S2 / SETS_ROT (extra --set arguments) and SANITY_SUBSET (training images of the
-# sanity rows, default 0: all), e.g. for a CPU smoke run.
+# RESUME (.gpuresume), SETS_S2 / SETS_ROT (extra --set arguments, split at spaces) and
+# SANITY_SUBSET (training images of the sanity rows, default 0: all), e.g. for a CPU smoke
+# run: DEVICE=cpu ROUNDS_S2=2 SETS_S2="--set participation.fraction=0.05" ...
 export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 BUDGET=${BUDGET:-400} ROUNDS_S2=${ROUNDS_S2:-65} ROUNDS_ROT=${ROUNDS_ROT:-60}
 LENET_EPOCHS=${LENET_EPOCHS:-20} IFCA_CNN_EPOCHS=${IFCA_CNN_EPOCHS:-30}
 DEVICE=${DEVICE:-cuda} DATA=${DATA:-.gpudata} SANITY_SUBSET=${SANITY_SUBSET:-0}
 OUT=${OUT:?set OUT to the results folder}
 mkdir -p "$OUT/runs" "$OUT/logs"
-[ -d .gpuresume ] && cp -rn .gpuresume/. "$OUT/"
+RESUME=${RESUME:-.gpuresume}
+[ -d "$RESUME" ] && cp -rn "$RESUME"/. "$OUT/"
 T0=$SECONDS
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
@@ -56,7 +61,7 @@ DEADLINE=$((T0 + BUDGET))
 
 # fedcluster job: NAME PRESET ROUNDS SETS... (run, or resume its checkpoints, or skip)
 job() {
-  local name=$1 preset=$2 rounds=$3 dir="$OUT/runs/$1"
+  local name=$1-r$3 preset=$2 rounds=$3 dir="$OUT/runs/$1-r$3"
   shift 3
   local left=$((DEADLINE - SECONDS))
   if [ -f "$dir/summary.json" ]; then echo "$name: complete, skipped"; return; fi
@@ -74,7 +79,7 @@ job() {
 
 # sanity row: NAME PRESET EPOCHS (skipped when its JSON is complete)
 sanity() {
-  local file="$OUT/sanity-$1.json" left=$((DEADLINE - SECONDS))
+  local file="$OUT/sanity-$1-e$3.json" left=$((DEADLINE - SECONDS))
   if grep -q '"complete": true' "$file" 2>/dev/null; then echo "sanity $1: complete"; return; fi
   if [ "$left" -lt 30 ]; then echo "sanity $1: no time left"; return; fi
   timeout -s INT "$left" python3 -m benchmarks.cifar_sanity --preset "$2" --epochs "$3" \
@@ -105,8 +110,8 @@ summary() {
   [ ${#runs[@]} -gt 0 ] && python3 -m benchmarks.reproduce summarize --runs "${runs[@]}" \
     --last "$last" --out "$OUT/$out" 2>&1 | tail -n 12
 }
-summary cflgt-s2 20 s2-cflgt s2-ifca s2-fedavg | tee -a "$OUT/status.txt"
-summary rotated 20 rot-ifca | tee -a "$OUT/status.txt"
+summary cflgt-s2 20 s2-{cflgt,ifca,fedavg}-r"$ROUNDS_S2" | tee -a "$OUT/status.txt"
+summary rotated 20 rot-ifca-r"$ROUNDS_ROT" | tee -a "$OUT/status.txt"
 python3 - "$OUT" <<'EOF' | tee -a "$OUT/status.txt"
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("sanity-*.json")):

@@ -208,8 +208,9 @@ def _emnist(split: str) -> Callable[..., Dataset]:
 CIFAR10_DEFAULT_NORMALIZE = "channel"
 """CIFAR-10's default ``normalize``: per-channel (:data:`~fedcluster.data.cifar.MEAN`,
 :data:`~fedcluster.data.cifar.STD`). The papers' code normalises too: IFCA's per
-image (``image``), PyTorch's CIFAR-10 tutorial (CFLGT's LeNet, lr 0.001, momentum
-0.9) per channel; raw [0, 1] pixels (``none``) slow LeNet down (docs/reproduction.md)."""
+image (``image``); PyTorch's CIFAR-10 tutorial, whose LeNet and SGD settings (lr
+0.001, momentum 0.9) CFLGT's match, maps each channel to [-1, 1]. Raw [0, 1] pixels
+(``none``) slow LeNet down (docs/reproduction.md)."""
 
 
 def _cifar10(name: str, root: Path, seed: int, options: dict[str, Any]) -> Dataset:
