@@ -20,6 +20,7 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
 Scores: ``final`` is the pooled test accuracy of the last round; ``max`` the
 best over evaluated rounds (FedGroup's Table III); ``last-N`` the mean over
 the evaluated rounds among the last N (CFLGT Table I: N = 20; FedGroup: 10);
+``purity`` and ``ARI`` those of the last round's clusters against the true groups;
 ``clients final`` the mean ± std over clients of the last round's per-client
 accuracy and ``clients average`` the same two values averaged over all
 evaluated rounds (DCFL Tables I and II).
@@ -59,6 +60,7 @@ def job_scores(rows: list[Row], last: int) -> dict[str, float]:
         "avg_client_mean": float(np.mean([float(r["accuracy_mean"]) for r in done])),
         "avg_client_std": float(np.mean([float(r["accuracy_std"]) for r in done])),
         "purity": float(rows[-1]["purity"]),
+        "ari": float(rows[-1]["ari"]),
         "n_clusters": float(rows[-1]["n_clusters"]),
         "epsilon": float(rows[-1]["epsilon"]),
         "seconds": float(sum(r["client_seconds"] + r["server_seconds"] for r in rows)),
@@ -85,6 +87,7 @@ def score_table(jobs: list[Row], last: int, setting: str | None = None) -> list[
             "clients average": f"{col('avg_client_mean', 1, 2)} (sd {col('avg_client_std', 1, 2)})",
             "clusters": col("n_clusters", 1, 1),
             "purity": col("purity", 1, 2),
+            "ARI": col("ari", 1, 2),
             "epsilon": col("epsilon", 1, 2),
             "train s": col("seconds", 1, 0),
         }

@@ -106,6 +106,17 @@ class TrainConfig(_Strict):
         None, ge=1, le=limits.MAX_COUNT, description="fixed local steps (overrides epochs)"
     )
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    lr_decay: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="round t trains with lr·lr_decay^(t-1) (IFCA's CIFAR-10 code: 0.99)",
+    )
+    augment: Literal["none", "crop_flip"] = Field(
+        "none",
+        description="training-time augmentation of image batches: crop_flip = random crops "
+        "of the image padded by 4 and random horizontal flips (seeded per client and round)",
+    )
     loss: str = Field(
         "cross_entropy",
         description="cross_entropy, or a function (logits, targets) -> mean loss by import "

@@ -6,8 +6,14 @@
 - ``cnn``: JGL Fig. 3 CNN -- for 1-channel 28x28 inputs conv(32, 3x3) ->
   conv(64, 3x3) -> maxpool 2 -> fc 128; for 3x32x32 inputs the LeNet-like
   conv(6, 5x5) -> pool -> conv(16, 5x5) -> pool -> fc 120 -> fc 84.
-- ``lenet``: the LeNet-like CNN on any input size. ``cnn`` and ``lenet`` take
+- ``lenet``: the LeNet-like CNN on any input size: JGL Fig. 3's CIFAR-10 CNN and
+  CFLGT Sec. V-A's "Lenet" (PyTorch's CIFAR-10 tutorial network, whose SGD
+  settings, lr 0.001 and momentum 0.9, CFLGT uses). ``cnn`` and ``lenet`` take
   ``dropout`` (default 0: none).
+- ``ifca_cnn``: IFCA's CIFAR-10 CNN (TensorFlow's CIFAR-10 tutorial model, as
+  the reference code github.com/jichan3751/ifca ``cifar/cifar10.py`` builds it):
+  two 5x5 convolutions of 64 channels with max-pooling and local response
+  normalisation, fc 384, fc 192.
 - ``fedcluster.models:resnet8`` (by import path, not a paper's preset): a CIFAR
   ResNet-8 with BatchNorm (He et al. 2016, one basic block per stage),
   ``width`` channels in its first stage (default 16).
@@ -78,6 +84,9 @@ def mclr(input_shape: InputShape, n_classes: int) -> nn.Module:
 def lenet(input_shape: InputShape, n_classes: int, dropout: float = 0.0) -> nn.Module:
     """JGL Fig. 3 CIFAR-10 CNN (LeNet-like): conv 6@5x5, pool, conv 16@5x5, pool, 120, 84.
 
+    The same network is CFLGT Sec. V-A's "Lenet" for CIFAR-10 and SVHN (PyTorch's
+    CIFAR-10 tutorial ``Net``: 62,006 parameters for 3x32x32 inputs and 10 classes).
+
     ``dropout`` > 0 adds ``nn.Dropout(dropout)`` after fc 120 and fc 84.
     """
     channels, height, width = _image_shape(input_shape)
@@ -99,6 +108,90 @@ def lenet(input_shape: InputShape, n_classes: int, dropout: float = 0.0) -> nn.M
         nn.ReLU(),
         *drop,
         nn.Linear(84, n_classes),
+    )
+
+
+def _same_pool(size: int) -> tuple[int, int]:
+    """TensorFlow's 'SAME' padding (before, after) of a 3x3 stride-2 pooling of ``size``
+    pixels: the output has ceil(size/2), the extra pixel goes after."""
+    total = max((math.ceil(size / 2) - 1) * 2 + 3 - size, 0)
+    return total // 2, total - total // 2
+
+
+class _TruncatedNormalInit:
+    """Mixin of :class:`nn.Conv2d` / :class:`nn.Linear`: ``reset_parameters`` draws the
+    weights from a normal of std ``init_std`` cut at 2 std (TensorFlow's
+    ``truncated_normal_initializer``) and sets the bias to ``init_bias``. Runs again
+    wherever fedcluster re-initialises a model (``init_row``), so the initialisation
+    is the layer's, not PyTorch's default."""
+
+    init_std: float
+    init_bias: float
+
+    def configure(self, std: float, bias: float) -> _TruncatedNormalInit:
+        self.init_std, self.init_bias = std, bias
+        self.reset_parameters()
+        return self
+
+    def reset_parameters(self) -> None:
+        if not hasattr(self, "init_std"):  # the base class's __init__: not configured yet
+            super().reset_parameters()  # type: ignore[misc]
+            return
+        std = self.init_std
+        nn.init.trunc_normal_(self.weight, std=std, a=-2 * std, b=2 * std)  # type: ignore[attr-defined]
+        nn.init.constant_(self.bias, self.init_bias)  # type: ignore[attr-defined]
+
+
+class _TFConv2d(_TruncatedNormalInit, nn.Conv2d):
+    """A convolution with TensorFlow-style initialisation (:class:`_TruncatedNormalInit`)."""
+
+
+class _TFLinear(_TruncatedNormalInit, nn.Linear):
+    """A linear layer with TensorFlow-style initialisation (:class:`_TruncatedNormalInit`)."""
+
+
+def ifca_cnn(input_shape: InputShape, n_classes: int) -> nn.Module:
+    """IFCA's CIFAR-10 CNN (Ghosh et al. 2020, Sec. 5.2; reference code
+    github.com/jichan3751/ifca ``cifar/cifar10.py`` ``inference``, TensorFlow's
+    CIFAR-10 tutorial model).
+
+    conv 64@5x5 'same' -> ReLU -> max-pool 3x3 stride 2 'same' -> LRN -> conv
+    64@5x5 'same' -> ReLU -> LRN -> max-pool 3x3/2 'same' -> fc 384 -> fc 192 ->
+    ``n_classes``. TensorFlow's ``lrn(depth_radius=4, bias=1, alpha=0.001/9,
+    beta=0.75)`` is PyTorch's ``LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1)``
+    (PyTorch divides alpha by the window size); 'same' pooling pads after the
+    image as TensorFlow does (with zeros, which after a ReLU equals its -inf).
+    The initialisation is the reference's: truncated normal weights (std 0.05
+    for the convolutions, 0.04 for fc 384 and fc 192, 1/192 for the logits,
+    cut at 2 std) and biases 0 (conv1, logits) or 0.1 (the others).
+
+    On the reference's 24x24 crops fc 384 sees 6·6·64 inputs and the model has
+    1,068,298 parameters for 10 classes; on uncropped 32x32 images 8·8·64
+    (1,756,426). Not reproduced: the reference's weight decay of 0.004 on fc 384
+    and fc 192 (the loss here has no L2 term).
+    """
+    channels, height, width = _image_shape(input_shape)
+    (t1, b1), (l1, r1) = _same_pool(height), _same_pool(width)
+    h, w = math.ceil(height / 2), math.ceil(width / 2)
+    (t2, b2), (l2, r2) = _same_pool(h), _same_pool(w)
+    h, w = math.ceil(h / 2), math.ceil(w / 2)
+    return nn.Sequential(
+        _TFConv2d(channels, 64, 5, padding=2).configure(0.05, 0.0),
+        nn.ReLU(),
+        nn.ZeroPad2d((l1, r1, t1, b1)),
+        nn.MaxPool2d(3, 2),
+        nn.LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1.0),
+        _TFConv2d(64, 64, 5, padding=2).configure(0.05, 0.1),
+        nn.ReLU(),
+        nn.LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1.0),
+        nn.ZeroPad2d((l2, r2, t2, b2)),
+        nn.MaxPool2d(3, 2),
+        nn.Flatten(),
+        _TFLinear(64 * h * w, 384).configure(0.04, 0.1),
+        nn.ReLU(),
+        _TFLinear(384, 192).configure(0.04, 0.1),
+        nn.ReLU(),
+        _TFLinear(192, n_classes).configure(1 / 192, 0.0),
     )
 
 
@@ -240,6 +333,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": mlp,
     "cnn": cnn,
     "lenet": lenet,
+    "ifca_cnn": ifca_cnn,
     "mclr": mclr,
     "dnn": dnn,
     "lstm": lstm,

@@ -143,7 +143,9 @@ def test_split_clients_gives_each_client_its_own_request():
     from fedcluster.dp import RecordDP
 
     dp = RecordDP(clip=1.0, noise_multiplier=(0.5, 0.7, 0.9), poisson=True, release=2)
-    training = LocalTraining(lr=0.1, batch_size=8, epochs=1, dp=dp)
+    training = LocalTraining(
+        lr=0.1, batch_size=8, epochs=1, dp=dp, augment="crop_flip", lr_decay=0.9
+    )
     request = Request(
         shared={"models": torch.arange(12.0).reshape(3, 4)},
         own={"start": torch.arange(12.0, 24.0).reshape(3, 4), "k": torch.tensor([2, 0, 1])},
@@ -166,6 +168,8 @@ def test_split_clients_gives_each_client_its_own_request():
         assert torch.equal(got.own["model"][0], request.shared["models"][int(request.own["k"][i])])
         assert got.settings["round"] == 4 and got.settings["purpose"] == "train"
         assert got.settings["training"].dp.noise_multiplier == (dp.sigma(c),)
+        assert got.settings["training"].augment == "crop_flip"
+        assert got.settings["training"].lr_decay == 0.9
         assert got.own_settings == want.own_settings
     replies = protocol.decode_replies(
         protocol.encode_replies([{"x": torch.ones(2)}, "DataError: bad\nfile"]), 2

@@ -13,6 +13,11 @@ CIFAR-10 is the official label order. Decoding 60,000 JPEGs takes seconds, so
 the decoded arrays of forms 3 and 4 are cached as ``.npz`` in a cache folder,
 keyed by the source's path, size and modification time; the data folder
 itself is never written to.
+
+:data:`MEAN` and :data:`STD` are the per-channel statistics of the 50,000
+official training images in [0, 1], the constants of the usual
+``transforms.Normalize`` for CIFAR-10; the loader's ``normalize: channel``
+(:mod:`fedcluster.data.sources`) uses them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ _TEST_BATCH = "test_batch"
 _META = "batches.meta"
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 _CACHE_VERSION = 1
+MEAN = (0.4914, 0.4822, 0.4465)
+"""Per-channel (R, G, B) mean of the official training images in [0, 1]."""
+STD = (0.2470, 0.2435, 0.2616)
+"""Per-channel population std of the official training images in [0, 1] (the decoded
+JPEG zip of ``shared/data`` gives 0.2452, 0.2428, 0.2606: JPEG smooths a little)."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from fedcluster.data.idx import find_idx_file, read_images_and_labels
 from fedcluster.data.integrity import warn_if_modified
 from fedcluster.data.leaf import LEAF_FOLDERS, load_leaf, missing_leaf_files
 from fedcluster.data.synthetic import synthetic_federation
+from fedcluster.data.transforms import NORMALISATIONS, normalise_images
 from fedcluster.errors import ConfigError, DataError
 from fedcluster.plugins import resolve
 
@@ -65,7 +66,8 @@ class Split:
     """One pool of samples.
 
     Attributes:
-        x: float32; images ``[N, C, H, W]`` scaled to [0, 1], tabular data ``[N, F]``.
+        x: float32; images ``[N, C, H, W]`` scaled to [0, 1] (CIFAR-10: normalised
+            as its ``normalize`` option says), tabular data ``[N, F]``.
         y: int64 ``[N]``, labels ``0..n_classes-1``.
     """
 
@@ -203,15 +205,41 @@ def _emnist(split: str) -> Callable[..., Dataset]:
     return load
 
 
+CIFAR10_DEFAULT_NORMALIZE = "channel"
+"""CIFAR-10's default ``normalize``: per-channel (:data:`~fedcluster.data.cifar.MEAN`,
+:data:`~fedcluster.data.cifar.STD`). The papers' code normalises too: IFCA's per
+image (``image``); PyTorch's CIFAR-10 tutorial, whose LeNet and SGD settings (lr
+0.001, momentum 0.9) CFLGT's match, maps each channel to [-1, 1]. Raw [0, 1] pixels
+(``none``) slow LeNet down (docs/reproduction.md)."""
+
+
 def _cifar10(name: str, root: Path, seed: int, options: dict[str, Any]) -> Dataset:
-    _no_options(name, options)
+    options = dict(options)
+    normalize = options.pop("normalize", CIFAR10_DEFAULT_NORMALIZE)
+    if options:
+        raise ConfigError(
+            f"load_dataset({name!r}): unknown option(s) {', '.join(sorted(options))}; "
+            f"{name} takes normalize"
+        )
+    if normalize not in NORMALISATIONS:
+        raise ConfigError(
+            f"load_dataset({name!r}): normalize must be one of {list(NORMALISATIONS)}, "
+            f"got {normalize!r}"
+        )
     for archive in (root / "cifar10").glob("*"):  # the pinned archives warn if they differ
         warn_if_modified(archive)
     arrays = cifar.load_cifar10(root / "cifar10", user_cache_dir() / "decoded")
+
+    def split(x: np.ndarray, y: np.ndarray) -> Split:
+        pool = _image_split(x, y)
+        if normalize == "none":
+            return pool
+        return Split(normalise_images(pool.x, normalize, cifar.MEAN, cifar.STD), pool.y)
+
     test = None
     if arrays.test_x is not None:
-        test = _image_split(arrays.test_x, arrays.test_y)
-    return Dataset(name, _image_split(arrays.train_x, arrays.train_y), test, arrays.classes)
+        test = split(arrays.test_x, arrays.test_y)
+    return Dataset(name, split(arrays.train_x, arrays.train_y), test, arrays.classes)
 
 
 def _digits(name: str, root: Path | None, seed: int, options: dict[str, Any]) -> Dataset:
@@ -375,7 +403,10 @@ def load_dataset(
             ``beta`` (1.0), ``iid`` (False), ``n_features`` (60), ``n_classes`` (10);
             see :func:`~fedcluster.data.synthetic.synthetic_federation`.
             ``leaf-femnist`` takes ``n_classes`` (62), ``leaf-sent140`` ``seq_len``
-            (25), ``vocab_size`` (10,000) and ``vocab_file``. Other datasets take none.
+            (25), ``vocab_size`` (10,000) and ``vocab_file``. ``cifar10`` takes
+            ``normalize``: ``channel`` (default; per-channel mean/std, see
+            :data:`CIFAR10_DEFAULT_NORMALIZE`), ``image`` (per-image
+            standardisation) or ``none`` (pixels in [0, 1]). Other datasets take none.
 
     EMNIST: images are transposed back to upright. When only the test files
     exist (as in ``shared/data``), they are returned as ``train`` with

@@ -1,8 +1,14 @@
-"""Per-client transforms that partitions ask for: image rotation and label remapping.
+"""Image and label transforms: rotation, label remapping, normalisation, augmentation.
 
-The federation builder applies them once per client when it packs the data
-(rotations for DCFL's per-client angles and the rotated-data settings, label
-maps for JGL's per-cluster relabelling).
+The federation builder applies rotations and label maps once per client when it
+packs the data (rotations for DCFL's per-client angles and the rotated-data
+settings, label maps for JGL's per-cluster relabelling). Dataset loaders apply
+:func:`normalise_images` once at load (CIFAR-10's ``normalize`` option, see
+:mod:`fedcluster.data.sources`). :func:`random_crop_flip` is the training-time
+augmentation of ``train.augment: crop_flip``: random 32x32 crops of the image
+zero-padded by 4 pixels and random horizontal flips (He et al. 2016, Sec. 4.2;
+``torchvision``'s ``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip()``),
+drawn from a given generator, so the same seed gives the same images.
 """
 
 from __future__ import annotations
@@ -13,7 +19,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["relabel", "rotate_images"]
+__all__ = [
+    "AUGMENTATIONS",
+    "NORMALISATIONS",
+    "normalise_images",
+    "random_crop_flip",
+    "relabel",
+    "rotate_images",
+]
+
+NORMALISATIONS = ("channel", "image", "none")
+"""``channel``: subtract a per-channel mean and divide by a per-channel std (the
+usual ``torchvision.transforms.Normalize``); ``image``: standardise each image by
+its own mean and std over all its pixels (TensorFlow's ``per_image_standardization``,
+as IFCA's CIFAR-10 code does); ``none``: leave the [0, 1] pixels."""
+
+AUGMENTATIONS = ("none", "crop_flip")
+"""Training-time augmentations: ``crop_flip`` (:func:`random_crop_flip`) or none."""
 
 
 def rotate_images(x: torch.Tensor, degrees: float) -> torch.Tensor:
@@ -69,3 +91,61 @@ def relabel(y: torch.Tensor, label_map: np.ndarray | torch.Tensor) -> torch.Tens
         bad = sorted(set(y[out < 0].tolist()))
         raise ValueError(f"relabel: labels {bad} are not in the label map (mapped to -1)")
     return out
+
+
+def normalise_images(
+    x: torch.Tensor,
+    how: str,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+) -> torch.Tensor:
+    """Images ``x`` [N, C, H, W] (float, in [0, 1]) normalised as ``how`` says (see
+    :data:`NORMALISATIONS`); ``channel`` needs one ``mean`` and ``std`` per channel.
+
+    ``image`` divides by ``max(std, 1/sqrt(C·H·W))`` like TensorFlow's
+    ``per_image_standardization`` (a uniform image stays finite). Returns a new tensor.
+    """
+    if how not in NORMALISATIONS:
+        raise ValueError(f"normalize: must be one of {list(NORMALISATIONS)}, got {how!r}")
+    if x.ndim != 4:
+        raise ValueError(f"normalise_images: expected images [N, C, H, W], got {tuple(x.shape)}")
+    if how == "none":
+        return x.clone()
+    if how == "image":
+        flat = x.reshape(len(x), -1)
+        floor = 1.0 / math.sqrt(flat.shape[1])
+        mu = flat.mean(dim=1, keepdim=True)
+        sd = flat.std(dim=1, keepdim=True, correction=0).clamp(min=floor)
+        return (flat - mu).div_(sd).view_as(x)
+    if mean is None or std is None or len(mean) != x.shape[1] or len(std) != x.shape[1]:
+        raise ValueError(f"normalise_images: 'channel' needs {x.shape[1]} means and stds")
+    m = torch.tensor(mean, dtype=x.dtype).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - m).div_(s)
+
+
+def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
+    """Each image of ``x`` [B, C, H, W] zero-padded by ``padding`` pixels on every side,
+    cropped back to H x W at a random offset, and mirrored left-right with probability 1/2.
+
+    The offsets and flips are drawn on the CPU from ``generator`` (two integers in
+    0..2·padding and one coin per image, in that order), so the result depends only
+    on the generator's state; the output has ``x``'s shape, dtype and device. Padding
+    with zeros pads a normalised image with its mean colour.
+    """
+    if x.ndim != 4:
+        raise ValueError(f"random_crop_flip: expected images [B, C, H, W], got {tuple(x.shape)}")
+    b, c, h, w = x.shape
+    shifts = torch.randint(0, 2 * padding + 1, (b, 2), generator=generator)
+    flips = torch.randint(0, 2, (b,), generator=generator).bool()
+    rows = shifts[:, :1] + torch.arange(h)  # [B, H] rows of the padded image
+    cols = shifts[:, 1:] + torch.arange(w)  # [B, W]
+    cols = torch.where(flips[:, None], cols.flip(1), cols)
+    padded = F.pad(x, (padding, padding, padding, padding))
+    dev = x.device
+    return padded[
+        torch.arange(b, device=dev)[:, None, None, None],
+        torch.arange(c, device=dev)[None, :, None, None],
+        rows.to(dev)[:, None, :, None],
+        cols.to(dev)[:, None, None, :],
+    ]

@@ -18,11 +18,14 @@ each sample joining each step independently with probability q = 1/⌈n/B⌉
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
+from fedcluster.data.transforms import AUGMENTATIONS, random_crop_flip
 from fedcluster.rng import torch_rng
 
 if TYPE_CHECKING:
@@ -35,7 +38,10 @@ class LocalTraining:
 
     ``mu`` > 0 adds FedProx's proximal term (mu/2)·||w − w_anchor||² (Li et al. 2020).
     ``dp`` switches on DP-SGD (record-level local differential privacy,
-    :class:`fedcluster.dp.RecordDP`).
+    :class:`fedcluster.dp.RecordDP`). ``augment`` (``none`` or ``crop_flip``,
+    :data:`fedcluster.data.transforms.AUGMENTATIONS`) transforms each training
+    batch before its step (:func:`augmenter`). ``lr_decay`` < 1 decays the
+    learning rate per communication round (:meth:`at_round`).
     """
 
     lr: float = 0.05
@@ -45,6 +51,15 @@ class LocalTraining:
     momentum: float = 0.0
     mu: float = 0.0
     dp: RecordDP | None = None
+    augment: str = "none"
+    lr_decay: float = 1.0
+
+    def at_round(self, rnd: int) -> LocalTraining:
+        """The settings of round ``rnd`` (counted from 1): learning rate
+        lr·lr_decay^(rnd−1), as IFCA's CIFAR-10 code decays it (``lr_schedule``)."""
+        if self.lr_decay == 1.0:
+            return self
+        return replace(self, lr=self.lr * self.lr_decay ** max(rnd - 1, 0), lr_decay=1.0)
 
 
 def batch_plan(
@@ -75,6 +90,23 @@ def batch_plan(
                 return batches
         epoch += 1
     return batches
+
+
+def augmenter(
+    cfg: LocalTraining, seed: int, purpose: str, rnd: int, client: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The client's batch transform for ``cfg.augment`` (None: batches as they are).
+
+    Its randomness comes from ``(seed, "augment/<purpose>", round, client)`` and is
+    drawn batch after batch, so the simulator, the reference loop and a Flower
+    client that follow the same plan see the same augmented images.
+    """
+    if cfg.augment not in AUGMENTATIONS:
+        raise ValueError(f"augment: must be one of {list(AUGMENTATIONS)}, got {cfg.augment!r}")
+    if cfg.augment == "none":
+        return None
+    gen = torch_rng(seed, f"augment/{purpose}", rnd, client)
+    return partial(random_crop_flip, generator=gen)
 
 
 def _poisson_plan(n_samples: int, cfg: LocalTraining, gen: torch.Generator) -> list[torch.Tensor]:

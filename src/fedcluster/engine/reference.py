@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.engine.batches import LocalTraining, augmenter, batch_plan
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, training
 from fedcluster.rng import torch_rng
@@ -40,6 +40,7 @@ def reference_train(
     float buffers: :class:`~fedcluster.engine.flat.ParamLayout`)."""
     layout = ParamLayout(model)
     local = copy.deepcopy(model)
+    cfg = cfg.at_round(rnd)
     out = torch.empty(len(clients), layout.dim)
     for i, c in enumerate(clients):
         row = start if start.dim() == 1 else start[i]
@@ -49,10 +50,12 @@ def reference_train(
         sl = federation.client_slice(int(c))
         x, y = federation.x_train[sl], federation.y_train[sl]
         gen = torch_rng(seed, f"dropout/{purpose}", rnd, int(c))
+        augment = augmenter(cfg, seed, purpose, rnd, int(c))
         for idx in batch_plan(len(y), cfg, seed, purpose, rnd, int(c)):
             opt.zero_grad()
+            inputs = x[idx] if augment is None else augment(x[idx])
             with training(local, gen):
-                loss = loss_fn(local(x[idx]), y[idx])
+                loss = loss_fn(local(inputs), y[idx])
             if cfg.mu > 0.0:
                 prox = sum(
                     ((p - a) ** 2).sum() for p, a in zip(local.parameters(), anchor, strict=True)

@@ -46,7 +46,7 @@ from torch.func import functional_call
 from fedcluster.data.federation import Federation
 from fedcluster.data.screen import clients_with
 from fedcluster.dp import gaussian_noise, noisy_clipped_sum, per_sample_gradients
-from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.engine.batches import LocalTraining, augmenter, batch_plan
 from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.computation import ClientComputation, ClientData, Request, Returned
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
@@ -238,6 +238,7 @@ class Simulator(ClientClock):
         Local DP of the upload is the computation's release (:mod:`fedcluster.dp`).
         """
         clients = np.asarray(clients, dtype=np.int64)
+        cfg = cfg.at_round(rnd)
         start = broadcast_rows(start, len(clients), self.layout.dim).to(self.device)
         if self._local is not None:
             start = torch.stack([self.personal(start[i], c) for i, c in enumerate(clients)])
@@ -248,13 +249,24 @@ class Simulator(ClientClock):
                 raise FedclusterError(
                     f"privacy: record-level DP-SGD runs on the CPU only, not on {self.device}"
                 )
+            if cfg.dp is not None and cfg.augment != "none":
+                raise FedclusterError(
+                    f"train.augment: {cfg.augment!r} is not supported with record-level DP-SGD"
+                )
             gens = partial(self._dropout_generator, clients, rnd, purpose)
             if cfg.dp is not None:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
-            elif self.kernel is not None:
+            elif self.kernel is not None and cfg.augment == "none":
                 result = self._train_kernel(plans, clients, start, cfg, classifier_only)
             else:
-                result = self._train_autograd(plans, start, cfg, classifier_only, gens)
+
+                def transforms(i: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+                    client = int(self.client_ids[clients[i]])
+                    return augmenter(cfg, self.seed, purpose, rnd, client)
+
+                result = self._train_autograd(
+                    plans, start, cfg, classifier_only, gens, transforms=transforms
+                )
             self._keep_own(clients, result.rows)
             rows, loss = result.rows.cpu(), result.loss
             poisoned = torch.as_tensor(self._nonfinite[clients])
@@ -277,11 +289,13 @@ class Simulator(ClientClock):
         classifier_only: bool,
         generators: Callable[[int], torch.Generator],
         gradients: Callable[[int], StepGradient] | None = None,
+        transforms: Callable[[int], Callable[[torch.Tensor], torch.Tensor] | None] | None = None,
     ) -> TrainResult:
         """Client-by-client SGD with autograd (any model).
 
         ``gradients(i)`` gives client ``i``'s step gradient (DP-SGD's noisy
-        clipped one); by default the plain mini-batch gradient. FedProx's term
+        clipped one); by default the plain mini-batch gradient, of the batch as
+        ``transforms(i)`` augments it (``train.augment``; None: as it is). FedProx's term
         and momentum act on that gradient, which covers the trainable
         parameters only; a training-mode forward pass updates the row's float
         buffers (BatchNorm's running statistics). The module runs in
@@ -305,7 +319,10 @@ class Simulator(ClientClock):
         def train_one(i: int, layout: ParamLayout) -> None:
             plan = plans[i]
             if gradients is None:
-                step_gradient: StepGradient = partial(self._plain_gradient, layout=layout)
+                transform = None if transforms is None else transforms(i)
+                step_gradient: StepGradient = partial(
+                    self._plain_gradient, layout=layout, transform=transform
+                )
             else:
                 step_gradient = gradients(i)
             w = start[i].clone()
@@ -347,9 +364,15 @@ class Simulator(ClientClock):
         return TrainResult(out, losses, steps)
 
     def _plain_gradient(
-        self, w: torch.Tensor, idx: torch.Tensor, head: slice, layout: ParamLayout | None = None
+        self,
+        w: torch.Tensor,
+        idx: torch.Tensor,
+        head: slice,
+        layout: ParamLayout | None = None,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, float]:
-        """Mini-batch loss gradient at ``w`` (restricted to ``head``) and the loss.
+        """Mini-batch loss gradient at ``w`` (restricted to ``head``) and the loss, on the
+        batch's inputs passed through ``transform`` if given (augmentation).
 
         Each parameter of ``head`` is its own autograd leaf (a detached view of
         ``w``), so the backward pass neither forms a zero-filled gradient of the
@@ -369,7 +392,8 @@ class Simulator(ClientClock):
             for s in layout.slots
             if s.start >= head.start and s.stop <= head.stop
         ]
-        logits = functional_call(layout.module, tensors, (fed.x_train[idx],))
+        x = fed.x_train[idx] if transform is None else transform(fed.x_train[idx])
+        logits = functional_call(layout.module, tensors, (x,))
         loss = self.loss(logits, fed.y_train[idx])
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # unused: gradient 0
         w[layout.param_dim :] = buffers

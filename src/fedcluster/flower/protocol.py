@@ -49,7 +49,7 @@ SETUP = "query.setup"
 CLIENTS = "clients"
 ERROR = "error"
 
-_TRAINING_FIELDS = ("lr", "batch_size", "epochs", "momentum", "mu")
+_TRAINING_FIELDS = ("lr", "batch_size", "epochs", "momentum", "mu", "augment", "lr_decay")
 SHARED, OWN = "shared/", "own/"
 
 
@@ -94,6 +94,8 @@ def training_from(config: Mapping[str, Any]) -> LocalTraining:
         momentum=float(config["momentum"]),
         mu=float(config["mu"]),
         dp=dp,
+        augment=str(config.get("augment", "none")),
+        lr_decay=float(config.get("lr_decay", 1.0)),
     )
 
 
