@@ -24,8 +24,9 @@ federation, but is out of reach: never asked, not available for selection,
 a ``failed`` client of every request that names it, as the simulator's
 failing clients are. The clients of a node that is lost (reported offline by
 the SuperLink, or silent past the timeout) are out of reach until a
-rediscovery at a round start finds the node again (:class:`Fleet`,
-:meth:`FlowerBackend.start_round`): ``rejoined`` or ``joined`` events.
+rediscovery finds the node again (:class:`Fleet`,
+:meth:`FlowerBackend.rediscover`: at every round start and end and before
+every request, never waiting): ``rejoined`` or ``joined`` events.
 """
 
 from __future__ import annotations
