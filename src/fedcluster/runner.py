@@ -469,7 +469,7 @@ class Job:
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan
             )
         row["eval_seconds"] = time.perf_counter() - t1
-        info.events = events + channel.events
+        info.events = events + channel.events + self._end_round(rnd)
         info.clusters = assign
         info.diagnostics = {**algorithm.diagnostics(state), **honest}
         return row
@@ -494,6 +494,12 @@ class Job:
         for event in scenario.drifts(rnd):
             events.append((event.client, "drift", f"{event.kind}: {self._drift(event)}"))
         return events + found
+
+    def _end_round(self, rnd: int) -> list[tuple[int, str, str]]:
+        """The backend's events that happened during round ``rnd``, after its start
+        (Flower: clients whose node came back and served the round's later requests)."""
+        end = getattr(self.backend, "end_round", None)
+        return [] if end is None else end(rnd)
 
     def _drift(self, event: DriftEvent) -> str:
         """Apply a drift event to the job's data; its description. A backend whose data

@@ -15,6 +15,7 @@ import csv
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +26,16 @@ pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcl
 
 from fedcluster.callbacks import Callback  # noqa: E402
 from fedcluster.cli import main  # noqa: E402
+from fedcluster.flower import protocol  # noqa: E402
 from fedcluster.flower.backend import FIRST_TIMEOUT_FLOORS, Fleet, FlowerBackend  # noqa: E402
 from fedcluster.flower.collect import TooFewReplies  # noqa: E402
 from fedcluster.flower.nodedata import client_file, read_manifest, sha256  # noqa: E402
-from fedcluster.flower.server import RunFailed, flower_experiment, run_deployed  # noqa: E402
+from fedcluster.flower.server import (  # noqa: E402
+    FlowerBackends,
+    RunFailed,
+    flower_experiment,
+    run_deployed,
+)
 from tests.flower.test_flower import SMALL  # noqa: E402
 from tests.flower.test_nodes import (  # noqa: E402, F401  (_task_identity: autouse fixture)
     LocalGrid,
@@ -245,3 +252,26 @@ def test_the_serverapp_prints_each_round_and_writes_its_status(tmp_path, capsys,
     assert status["reason"] in capsys.readouterr().out
     assert main(["flower", "status", str(tmp_path / "none")]) == 2
     assert "no final status" in capsys.readouterr().err
+
+
+def test_rediscovery_never_waits_and_takes_a_node_back_within_the_round(tmp_path):
+    """A node missing at discovery is asked at the round start without waiting for it
+    (it does not answer yet) and not asked again while that question is open; when
+    it answers, the next rediscovery (before a request, or at the round's end) takes
+    its clients in, as events of that round, and they are within reach from then on."""
+    config = _config([{"name": "fedavg"}], deployment={"timeout_floor": 0.2})
+    nodes, _ = _nodes(config, tmp_path, 2)
+    grid = LocalGrid(nodes, down={101})
+    factory = FlowerBackends(config, grid, expected=read_manifest(tmp_path / "export"))
+    backend = factory.backend(torch.nn.Linear(1, 1), factory.federation(0), 0)
+    start = time.monotonic()
+    reachable, events = backend.start_round(1)
+    assert time.monotonic() - start < 0.5 and not events
+    assert reachable.tolist() == [True] * 3 + [False] * 3
+    backend.rediscover()
+    setups = [s for s in grid.sent if s[0] == 101 and s[1] == protocol.SETUP]
+    assert len(setups) == 2  # discovery's, and the round start's (still open)
+    grid.down.discard(101)
+    assert backend.end_round(1) == [(c, "joined", "node 101") for c in (3, 4, 5)]
+    reachable, events = backend.start_round(2)
+    assert reachable.all() and not events

@@ -68,14 +68,18 @@ def _task_identity(monkeypatch):
 
 
 class LocalGrid:
-    """Flower's Grid with in-process nodes: node id -> node config; ``down`` nodes never
-    answer. ``sent`` records each pushed message's node, type and clients."""
+    """Flower's Grid with in-process nodes: node id -> node config; ``down`` nodes do not
+    answer while they are down (as the SuperLink, the grid keeps their messages and a
+    node that is up again answers those it is still asked for). ``sent`` records each
+    pushed message's node, type and clients."""
 
     def __init__(self, nodes: dict[int, dict[str, str]], down: set[int] = frozenset()):
         self.nodes, self.down = nodes, set(down)
         self.offline: set[int] = set()
         """Nodes the SuperLink reports offline (Flower's NODE_UNAVAILABLE error reply)."""
         self.replies: dict[str, SimpleNamespace] = {}
+        self.queued: dict[str, tuple[int, object]] = {}
+        """Messages pushed to a node while it was down: id -> (node, message)."""
         self.sent: list[tuple[int, str, list[int]]] = []
         self.computations: list[str] = []
         """Each pushed message's computation (``setup`` for discovery)."""
@@ -94,29 +98,36 @@ class LocalGrid:
             self.computations.append(str(config.get("computation", "setup")))
             ids.append(mid)
             if node in self.down:
-                continue
-            if node in self.offline:
-                self.replies[mid] = SimpleNamespace(
-                    metadata=SimpleNamespace(reply_to_message_id=mid),
-                    has_error=lambda: True,
-                    error=SimpleNamespace(code=5, reason="Error: Node Unavailable"),
-                    content=None,
-                )
-                continue
-            context = Context(1, node, dict(self.nodes[node]), RecordDict(), {})
-            try:
-                reply, error = client_app(message=message, context=context), None
-            except Exception as exc:  # noqa: BLE001 -- a real node sends it back as an error reply
-                reply, error = None, f"<class '{type(exc).__name__}'>:<'{exc}'>"
-            self.replies[mid] = SimpleNamespace(
-                metadata=SimpleNamespace(reply_to_message_id=mid),
-                has_error=lambda e=error: e is not None,
-                error=SimpleNamespace(reason=error),
-                content=None if reply is None else reply.content,
-            )
+                self.queued[mid] = (node, message)
+            else:
+                self._answer(mid, node, message)
         return ids
 
+    def _answer(self, mid: str, node: int, message) -> None:
+        if node in self.offline:
+            self.replies[mid] = SimpleNamespace(
+                metadata=SimpleNamespace(reply_to_message_id=mid),
+                has_error=lambda: True,
+                error=SimpleNamespace(code=5, reason="Error: Node Unavailable"),
+                content=None,
+            )
+            return
+        context = Context(1, node, dict(self.nodes[node]), RecordDict(), {})
+        try:
+            reply, error = client_app(message=message, context=context), None
+        except Exception as exc:  # noqa: BLE001 -- a real node sends it back as an error reply
+            reply, error = None, f"<class '{type(exc).__name__}'>:<'{exc}'>"
+        self.replies[mid] = SimpleNamespace(
+            metadata=SimpleNamespace(reply_to_message_id=mid),
+            has_error=lambda e=error: e is not None,
+            error=SimpleNamespace(reason=error),
+            content=None if reply is None else reply.content,
+        )
+
     def pull_messages(self, message_ids):
+        for m in message_ids:
+            if m in self.queued and self.queued[m][0] not in self.down:
+                self._answer(m, *self.queued.pop(m))
         return [self.replies.pop(m) for m in message_ids if m in self.replies]
 
 

@@ -24,8 +24,9 @@ federation, but is out of reach: never asked, not available for selection,
 a ``failed`` client of every request that names it, as the simulator's
 failing clients are. The clients of a node that is lost (reported offline by
 the SuperLink, or silent past the timeout) are out of reach until a
-rediscovery at a round start finds the node again (:class:`Fleet`,
-:meth:`FlowerBackend.start_round`): ``rejoined`` or ``joined`` events.
+rediscovery finds the node again (:class:`Fleet`,
+:meth:`FlowerBackend.rediscover`: at every round start and end and before
+every request, never waiting): ``rejoined`` or ``joined`` events.
 """
 
 from __future__ import annotations
@@ -104,30 +105,36 @@ def connected_nodes(grid: Grid, wait: float = NODE_WAIT_SECONDS, poll: float = 0
         time.sleep(poll)
 
 
+def _setup_messages(nodes: list[int], experiment: str, seed: int) -> list[Message]:
+    """One ``query.setup`` message per node of ``nodes``."""
+    config = {"experiment": experiment, "seed": seed}
+    return [
+        Message(protocol.request({}, config), dst_node_id=n, message_type=protocol.SETUP)
+        for n in nodes
+    ]
+
+
+def _setup_reply(reply: Message) -> tuple[dict, list[tuple[int, dict]]]:
+    """A node's ``query.setup`` reply: its settings and its clients (id, what the node
+    reports of it)."""
+    info = protocol.settings(reply.content)
+    clients = []
+    for j, c in enumerate(info[protocol.CLIENTS]):
+        head = protocol.prefix(j)
+        clients.append((int(c), {k[len(head) :]: v for k, v in info.items() if k.startswith(head)}))
+    return dict(info.items()), clients
+
+
 def _ask_setup(
     grid: Grid, nodes: list[int], experiment: str, seed: int, timeout: float | None
 ) -> tuple[Collected, dict[int, tuple[dict, list[tuple[int, dict]]]]]:
     """``query.setup`` of ``nodes``: per node that answered, its settings and its
     clients (id, what the node reports of it)."""
-    config = {"experiment": experiment, "seed": seed}
-    messages = [
-        Message(protocol.request({}, config), dst_node_id=n, message_type=protocol.SETUP)
-        for n in nodes
-    ]
+    messages = _setup_messages(nodes, experiment, seed)
     got = collect(
         grid, messages, nodes, timeout, None, what=protocol.SETUP, name=lambda n: f"node {n}"
     )
-    out = {}
-    for node, reply in got.replies.items():
-        info = protocol.settings(reply.content)
-        clients = []
-        for j, c in enumerate(info[protocol.CLIENTS]):
-            head = protocol.prefix(j)
-            clients.append(
-                (int(c), {k[len(head) :]: v for k, v in info.items() if k.startswith(head)})
-            )
-        out[int(node)] = (dict(info.items()), clients)
-    return got, out
+    return got, {int(node): _setup_reply(reply) for node, reply in got.replies.items()}
 
 
 def refusal(client: int, node: int, one: Mapping, expected: NodeManifest | None) -> str | None:
@@ -257,6 +264,11 @@ class Fleet:
     """Clients some node has served in this seed (a returning one has ``rejoined``)."""
     round_trip: float = 0.0
     """The slowest round trip measured so far (seconds)."""
+    probes: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Rediscovery's ``query.setup`` messages not answered yet: message id -> (node,
+    when it was sent)."""
+    retry: dict[int, float] = field(default_factory=dict)
+    """Node -> when to ask it again (its ``query.setup`` failed)."""
 
     def missing(self, n_clients: int) -> dict[int, str]:
         """Client -> why it is out of reach now (unavailable, or its node lost)."""
@@ -311,6 +323,10 @@ class FlowerBackend(ClientClock):
         self.asked: set[int] = set()
         """The clients asked this round (for the round's ``replies/asked`` line)."""
         self.replied: set[int] = set()
+        self.round = 0
+        """The round running now (for the log)."""
+        self.found: list[tuple[int, str, str]] = []
+        """Events of clients back since the last :meth:`start_round` / :meth:`end_round`."""
 
     @property
     def timeout(self) -> float:
@@ -335,67 +351,121 @@ class FlowerBackend(ClientClock):
         return planned_detail(event) or "two of its labels, drawn on its node"
 
     def start_round(self, rnd: int) -> tuple[np.ndarray, list[tuple[int, str, str]]]:
-        """Rediscover the nodes at the start of round ``rnd``; the clients within reach
-        (a mask: the others are not available for selection) and the round's events.
-
-        A node the SuperLink lists that has not answered ``query.setup`` since it
-        was lost or since it connected (a restarted SuperNode registers under a new
-        node id) is asked which clients it holds. Its clients that were out of
-        reach come back: ``rejoined`` when a node served them before in this seed
-        (the algorithms keep or choose again their cluster by their own rules),
-        ``joined`` when none had (newcomers). A client whose file's hash differs
-        from the server's manifest stays out, with that reason.
-        """
+        """Rediscover the nodes at the start of round ``rnd`` (:meth:`rediscover`); the
+        clients within reach (a mask: the others are not available for selection)
+        and the events of the clients back since the last round's end."""
         self.asked, self.replied = set(), set()
-        fleet = self.fleet
-        probe = sorted(set(self.grid.get_node_ids()) - fleet.answered)
-        events = self._probe(rnd, probe) if probe else []
+        self.round = rnd
+        self.rediscover()
         reachable = np.ones(self.federation.n_clients, dtype=bool)
-        reachable[list(fleet.missing(self.federation.n_clients))] = False
-        return reachable, events
+        reachable[list(self.fleet.missing(self.federation.n_clients))] = False
+        return reachable, self._take_events()
 
-    def _probe(self, rnd: int, probe: list[int]) -> list[tuple[int, str, str]]:
-        """Ask the nodes ``probe`` which clients they hold; the events of those back."""
-        fleet = self.fleet
-        got, answered = _ask_setup(self.grid, probe, self._experiment, self.seed, self.timeout)
-        self._measured(got)
-        events: list[tuple[int, str, str]] = []
-        for node, (_, clients) in answered.items():
-            for c, one in clients:
-                if not 0 <= c < self.federation.n_clients:
-                    log.warning(
-                        "round %d: node %s holds client %s, not in the federation", rnd, node, c
-                    )
-                    continue
-                now = fleet.nodes.get(c)
-                out = c in fleet.unavailable or now in fleet.lost or now is None
-                if not out and now != node:
-                    log.warning(
-                        "round %d: client %s is served by node %s; node %s holds it too and "
-                        "is not asked for it",
-                        rnd,
-                        c,
-                        now,
-                        node,
-                    )
-                    continue
-                fleet.nodes[c] = node
-                reason = refusal(c, node, one, self.expected)
-                if reason is not None:
-                    fleet.unavailable[c] = reason
-                    log.warning(
-                        "round %d: client %s (node %s) cannot take part: %s", rnd, c, node, reason
-                    )
-                    continue
-                fleet.unavailable.pop(c, None)
-                if out:
-                    kind = "rejoined" if c in fleet.seen else "joined"
-                    events.append((c, kind, f"node {node}"))
-                    log.warning("round %d: client %s %s (node %s)", rnd, c, kind, node)
-                fleet.seen.add(c)
-            fleet.answered.add(node)
-            fleet.lost.pop(node, None)
+    def end_round(self, rnd: int) -> list[tuple[int, str, str]]:
+        """The events of the clients that came back during round ``rnd`` (after its
+        start, :meth:`rediscover` before each request and here): they served its
+        later requests (e.g. its evaluation) and are available from the next round."""
+        self.rediscover()
+        return self._take_events()
+
+    def _take_events(self) -> list[tuple[int, str, str]]:
+        events, self.found = self.found, []
         return events
+
+    def rediscover(self) -> None:
+        """Ask, without waiting, each node the SuperLink lists that has not answered
+        ``query.setup`` since it connected or was lost (a restarted SuperNode
+        registers under a new node id), and take in the answers that have arrived.
+
+        Called at every round start and end and before every request, so a node
+        that comes back is found at the first of these after it answers, and no
+        request waits for it: a node still listed but dead (the SuperLink lists a
+        killed node until its heartbeat expires) costs nothing. A question not
+        answered within :attr:`timeout` is asked again; a node whose
+        ``query.setup`` failed is asked again after ``timeout_floor`` seconds.
+
+        The clients of a node that answers and that were out of reach come back:
+        ``rejoined`` when a node served them before in this seed (the algorithms
+        keep or choose again their cluster by their own rules), ``joined`` when
+        none had (newcomers). A client whose file's hash differs from the server's
+        manifest stays out, with that reason.
+        """
+        fleet, now = self.fleet, time.monotonic()
+        for mid, (node, sent) in list(fleet.probes.items()):
+            if now - sent > self.timeout:
+                del fleet.probes[mid]
+                log.warning(
+                    "round %d: node %s did not answer %s within %.1f s; asking again",
+                    self.round,
+                    node,
+                    protocol.SETUP,
+                    self.timeout,
+                )
+        waiting = {node for node, _ in fleet.probes.values()}
+        waiting |= {node for node, when in fleet.retry.items() if when > now}
+        ask = sorted(set(self.grid.get_node_ids()) - fleet.answered - waiting)
+        if ask:
+            ids = self.grid.push_messages(_setup_messages(ask, self._experiment, self.seed))
+            for node, mid in zip(ask, ids, strict=True):
+                if mid:
+                    fleet.probes[str(mid)] = (node, now)
+        if not fleet.probes:
+            return
+        for reply in self.grid.pull_messages(list(fleet.probes)):
+            node, _ = fleet.probes.pop(str(reply.metadata.reply_to_message_id), (None, 0.0))
+            if node is None:
+                continue
+            if reply.has_error():
+                fleet.retry[node] = now + self.deployment.timeout_floor
+                log.warning(
+                    "round %d: node %s did not answer %s: %s",
+                    self.round,
+                    node,
+                    protocol.SETUP,
+                    " ".join(str(reply.error.reason).split()),
+                )
+                continue
+            self._back(int(node), _setup_reply(reply)[1])
+
+    def _back(self, node: int, clients: list[tuple[int, dict]]) -> None:
+        """Take in ``node``'s answer to a rediscovery: its clients' events into
+        :attr:`found`."""
+        fleet, rnd = self.fleet, self.round
+        for c, one in clients:
+            if not 0 <= c < self.federation.n_clients:
+                log.warning(
+                    "round %d: node %s holds client %s, not in the federation", rnd, node, c
+                )
+                continue
+            now = fleet.nodes.get(c)
+            out = c in fleet.unavailable or now in fleet.lost or now is None
+            if not out and now != node:
+                log.warning(
+                    "round %d: client %s is served by node %s; node %s holds it too and "
+                    "is not asked for it",
+                    rnd,
+                    c,
+                    now,
+                    node,
+                )
+                continue
+            fleet.nodes[c] = node
+            reason = refusal(c, node, one, self.expected)
+            if reason is not None:
+                fleet.unavailable[c] = reason
+                log.warning(
+                    "round %d: client %s (node %s) cannot take part: %s", rnd, c, node, reason
+                )
+                continue
+            fleet.unavailable.pop(c, None)
+            if out:
+                kind = "rejoined" if c in fleet.seen else "joined"
+                self.found.append((c, kind, f"node {node}"))
+                log.warning("round %d: client %s %s (node %s)", rnd, c, kind, node)
+            fleet.seen.add(c)
+        fleet.answered.add(node)
+        fleet.lost.pop(node, None)
+        fleet.retry.pop(node, None)
 
     def run(
         self, computation: ClientComputation, clients: np.ndarray, request: Request
@@ -418,6 +488,7 @@ class FlowerBackend(ClientClock):
         """
         clients = np.asarray(clients, dtype=np.int64)
         fleet = self.fleet
+        self.rediscover()
         base = {
             "experiment": self._experiment,
             "seed": self.seed,
