@@ -99,6 +99,35 @@ def test_k_model_losses_through_the_kernel_equal_each_models_own_loss(shared_tes
     assert np.array_equal(losses.argmin(axis=1), expected.argmin(axis=1))
 
 
+@pytest.mark.parametrize("name", ["mlp", "mclr"])
+def test_one_batch_choice_through_the_kernel_equals_each_models_own_loss(shared_tests, name):
+    """IFCA/JGL's one-mini-batch choice (``losses`` with ``batches: one``): all
+    clients' batches go through the kernel together, batches of one size in one
+    group (clients of fewer than 40 digits have a shorter first batch). Each
+    client's loss under each model equals the mean cross-entropy of the model's
+    own forward pass on that client's first decision batch to float rounding
+    (4·eps·sqrt(784), as above), with the same choice."""
+    model, rows = _models(name, 4)
+    sim = Simulator(model, shared_tests, seed=0)
+    assert sim.kernel is not None
+    layout = ParamLayout(model)
+    clients = np.arange(shared_tests.n_clients)
+    cfg = LocalTraining(lr=0.1, batch_size=40, steps=1)
+    losses, grads = sim.losses_and_grads(clients, rows, cfg, 3, with_grads=False)
+    assert grads is None
+    plans = sim.plans(clients, cfg, 3, "decide")
+    assert len({len(p[0]) for p in plans}) > 1  # two batch sizes: two groups
+    expected = torch.empty(len(clients), 4)
+    for c in clients:
+        idx = plans[c][0]
+        x, y = shared_tests.x_train[idx], shared_tests.y_train[idx]
+        for j in range(4):
+            expected[c, j] = F.cross_entropy(layout.forward(rows[j], x), y)
+    tol = 4 * torch.finfo(torch.float32).eps * 784**0.5
+    torch.testing.assert_close(losses, expected, rtol=tol, atol=0)
+    assert torch.equal(losses.argmin(dim=1), expected.argmin(dim=1))
+
+
 # ----------------------------------------------------------------- bf16 precision
 def test_cpu_bf16_capability_is_read_from_the_cpu_flags(tmp_path):
     info = tmp_path / "cpuinfo"

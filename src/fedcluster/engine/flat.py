@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -136,8 +137,50 @@ def _slots(named: Iterable[tuple[str, torch.Tensor]], offset: int) -> tuple[Para
 
 def weighted_average(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Average of ``rows`` [n, d] with non-negative ``weights`` [n] (e.g. sample counts)."""
-    w = weights.to(rows.dtype)
-    return (w / w.sum()) @ rows
+    return _normalised(weights, rows.dtype) @ rows
+
+
+def _normalised(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weights`` in ``dtype``, divided by their sum: the row of :func:`weighted_average`."""
+    w = weights.to(dtype)
+    return w / w.sum()
+
+
+GATHER_BYTES = 16 << 20
+"""Bytes of the column block :func:`group_averages` gathers at a time: it stays in
+half the last-level cache (32 MiB on the project's EPYC machines) while it is averaged."""
+
+
+def group_averages(
+    rows: torch.Tensor, groups: np.ndarray, weights: torch.Tensor
+) -> tuple[np.ndarray, torch.Tensor]:
+    """``(names, means)``: each group's :func:`weighted_average` of ``rows`` [n, d].
+
+    ``groups`` [n] labels the rows, ``weights`` [n] weighs them; ``names`` are
+    the distinct labels (ascending) and ``means[i]`` [d] equals
+    ``weighted_average(rows[groups == names[i]], weights[groups == names[i]])``
+    bit for bit: the same product over the same members in the same order, taken
+    column block by column block. Every output column is reduced over the
+    members alone, so a block's columns come out as they do in the whole
+    product, while only a block of columns is gathered at a time
+    (:data:`GATHER_BYTES`; on a GPU the whole width): the [n, d] rows are read
+    once, instead of copied group by group before the product reads them again.
+    """
+    order = np.argsort(groups, kind="stable")
+    names, starts, counts = np.unique(groups[order], return_index=True, return_counts=True)
+    perm = torch.as_tensor(order, device=rows.device)
+    w = weights[torch.as_tensor(order)]
+    spans = [(s, s + k) for s, k in zip(starts, counts, strict=True)]
+    rows_of = [(lo, hi, _normalised(w[lo:hi], rows.dtype)) for lo, hi in spans]
+    dim = rows.shape[1]
+    width = GATHER_BYTES // (rows.element_size() * max(len(perm), 1))
+    width = dim if rows.device.type != "cpu" else max(width, 64)
+    means = rows.new_empty(len(names), dim)
+    for c0 in range(0, dim, width):
+        block = rows[:, c0 : c0 + width].index_select(0, perm)
+        for i, (lo, hi, v) in enumerate(rows_of):
+            means[i, c0 : c0 + width] = v @ block[lo:hi]
+    return names, means
 
 
 def broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:

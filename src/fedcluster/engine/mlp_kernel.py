@@ -221,6 +221,22 @@ class MLPKernel:
         d.mul_(weight.unsqueeze(-1))
         return loss, d
 
+    def batch_losses(self, params: LayerParams, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy [K, M] of the K models ``params`` on M mini-batches of one size B.
+
+        ``x`` [M, B, in] and ``y`` [M, B] hold one batch per client (JGL/IFCA's
+        one-mini-batch decision). All M·B rows go through :meth:`forward` as one
+        group of K members, and each batch's loss adds its rows' losses times
+        1/B in float32, as :meth:`loss_and_dlogits` does for one batch.
+        """
+        k = params[0][0].shape[0]
+        m, b = y.shape
+        _, logits = self.forward(params, x.reshape(1, m * b, -1).expand(k, -1, -1))
+        logp = torch.log_softmax(logits, dim=-1)
+        target = y.reshape(1, -1, 1).expand(k, -1, -1)
+        weight = torch.full((k, m, b), 1.0 / b, device=logits.device)
+        return -(logp.gather(-1, target).view(k, m, b) * weight).sum(dim=2)
+
     def sgd_step(
         self,
         params: LayerParams,

@@ -52,7 +52,7 @@ from fedcluster.engine.computation import ClientComputation, ClientData, Request
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
-from fedcluster.engine.model_eval import chunk_stats, distinct_chunks
+from fedcluster.engine.model_eval import EVAL_ROWS, chunk_stats, distinct_chunks
 from fedcluster.engine.modes import LossFn, loss_or_default, training
 from fedcluster.engine.precision import resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
@@ -672,16 +672,14 @@ class Simulator(ClientClock):
             grads = torch.empty(len(clients), k, self.layout.dim) if with_grads else None
             models = models.to(self.device)
             params = self.kernel.unpack(models) if self.kernel is not None else None
+            if params is not None and not with_grads:  # all clients' batches at once
+                return self._batch_losses(params, batches, k), None
             for i, idx in enumerate(batches):
                 idx = idx.to(self.device)
                 y = self.federation.y_train[idx]
                 if self.kernel is not None:
                     xs, ys, weight = _replicate_batch(self._x_flat[idx], y, k)
-                    if with_grads:
-                        losses[i], grads[i] = self.kernel.loss_and_grad(params, xs, ys, weight)
-                    else:
-                        _, logits = self.kernel.forward(params, xs)
-                        losses[i] = self.kernel.loss_and_dlogits(logits, ys, weight)[0]
+                    losses[i], grads[i] = self.kernel.loss_and_grad(params, xs, ys, weight)
                     continue
                 x = self.federation.x_train[idx]
                 own = self.personal(models, clients[i])
@@ -690,6 +688,25 @@ class Simulator(ClientClock):
                     if grads is not None:
                         grads[i, j] = g
         return losses, grads
+
+    def _batch_losses(
+        self, params: LayerParams, batches: list[torch.Tensor], k: int
+    ) -> torch.Tensor:
+        """Loss [n, K] of the K models on each client's batch through the kernel: the
+        clients whose batches have one size run together (:meth:`MLPKernel.batch_losses`),
+        :data:`~fedcluster.engine.model_eval.EVAL_ROWS` // K rows per model and pass."""
+        losses = torch.empty(len(batches), k)
+        sizes = np.array([len(b) for b in batches], dtype=np.int64)
+        for size in np.unique(sizes):
+            members = np.flatnonzero(sizes == size)
+            step = max(1, EVAL_ROWS // (k * int(size)))
+            for s in range(0, len(members), step):
+                part = members[s : s + step]
+                idx = torch.stack([batches[i] for i in part]).to(self.device)
+                x = self._x_flat[idx.view(-1)].view(len(part), int(size), -1)
+                y = self.federation.y_train[idx]
+                losses[torch.as_tensor(part)] = self.kernel.batch_losses(params, x, y).T.cpu()
+        return losses
 
     def losses_and_gradient_products(
         self,
