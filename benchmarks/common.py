@@ -59,15 +59,19 @@ def run_setting(
     rounds: int | None = None,
     first_seed: int = 0,
     config_path: str | None = None,
+    only: list[str] | None = None,
 ) -> list[dict]:
-    """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries."""
+    """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries.
+
+    ``only`` keeps the preset's algorithms of those labels or names (``--algorithms``).
+    """
     overrides = {
         "seeds": list(range(first_seed, first_seed + seeds)),
         "data": {"data_dir": data_dir},
     }
     if rounds is not None:
         overrides["rounds"] = rounds
-    config = resolve_config(config_path, preset, sets, overrides)
+    config = resolve_config(config_path, preset, sets, overrides, algorithms=only)
     results = Experiment(config).run(out, progress=False)
     summaries = [job_summary(j) for j in results]
     for s, j in zip(summaries, results, strict=True):

@@ -18,8 +18,9 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
 paper's, or the stated reduction) and the table's score; ``--rounds`` changes
 the rounds, ``--seeds`` the seeds.
 
-``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process), and
-``summarize`` builds the table from run directories written that way.
+``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process),
+``--algorithms A,B`` only those of the preset's algorithms (e.g. one process
+each), and ``summarize`` builds the table from run directories written that way.
 
 Scores: ``final`` is the pooled test accuracy of the last round; ``max`` the
 best over evaluated rounds (FedGroup's Table III); ``last-N`` the mean over
@@ -124,9 +125,16 @@ def score_table(
 def _jobs(preset: str, sets: list[str], args, tag: str, rounds: int | None = None) -> list[Row]:
     if args.first_seed:
         tag = f"{tag}-from-seed-{args.first_seed}"
+    only = args.algorithms.split(",") if args.algorithms else None
+    if only:
+        if any(s.startswith("algorithms=") for s in sets):
+            raise SystemExit(f"--algorithms: {tag} sets its own algorithms; run it whole")
+        tag = f"{tag}-{'+'.join(only)}"
     out = Path(args.out) / tag
     rounds = args.rounds if args.rounds is not None else rounds
-    return run_setting(preset, sets, args.seeds, out, args.data_dir, rounds, args.first_seed)
+    return run_setting(
+        preset, sets, args.seeds, out, args.data_dir, rounds, args.first_seed, only=only
+    )
 
 
 def _run(preset: str, sets: list[str], args, tag: str, last: int, setting=None) -> list[Row]:
@@ -370,6 +378,12 @@ def main() -> None:
     p.add_argument("experiment", choices=[*sorted(EXPERIMENTS), *sorted(CELLS), "summarize"])
     p.add_argument("--runs", nargs="*", default=[], help="summarize: run directories [DIR:SEEDS]")
     p.add_argument("--last", type=int, default=10, help="summarize: N of the last-N score")
+    p.add_argument(
+        "--algorithms",
+        default="",
+        help="comma-separated labels or names: run only these of the preset's algorithms "
+        "(e.g. one process each; 'summarize' merges the run directories)",
+    )
     args = p.parse_args()
     if args.experiment == "summarize":
         table = score_table(load_jobs(args.runs), args.last)
