@@ -63,7 +63,7 @@ def run_setting(
 ) -> list[dict]:
     """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries.
 
-    ``only`` keeps the preset's algorithms of those labels or names (``--algorithms``).
+    ``only`` keeps the algorithms of those labels or names, after ``sets`` (``--algorithms``).
     """
     overrides = {
         "seeds": list(range(first_seed, first_seed + seeds)),
@@ -71,7 +71,13 @@ def run_setting(
     }
     if rounds is not None:
         overrides["rounds"] = rounds
-    config = resolve_config(config_path, preset, sets, overrides, algorithms=only)
+    config = resolve_config(config_path, preset, sets, overrides)
+    if only:
+        keep = [a for a in config.algorithms if a.label in only or a.name in only]
+        missing = set(only) - {a.label for a in keep} - {a.name for a in keep}
+        if missing:
+            raise SystemExit(f"--algorithms: no algorithm labelled or named {sorted(missing)}")
+        config = config.model_copy(update={"algorithms": keep})
     results = Experiment(config).run(out, progress=False)
     summaries = [job_summary(j) for j in results]
     for s, j in zip(summaries, results, strict=True):
