@@ -111,7 +111,9 @@ def score_table(
             "clients average": f"{col('avg_client_mean', 1, 2)} (sd {col('avg_client_std', 1, 2)})",
             "clusters": col("n_clusters", 1, 1),
             "purity": col("purity", 1, 2),
-            "rounds to purity 0.9": reached([x["to_purity"] for x in s]),
+            "rounds to purity 0.9": "-"
+            if col("purity") == "-"
+            else reached([x["to_purity"] for x in s]),
             "epsilon": col("epsilon", 1, 2),
             "train s": col("seconds", 1, 0),
         }
@@ -203,7 +205,7 @@ class Cell:
 
     preset: str
     sets: tuple[str, ...]
-    rounds: int | None
+    rounds: int
     last: int = 20
     acc_target: float | None = None
     clustering_round: int | None = None  # Fig. 8: report this round's costs
@@ -298,8 +300,8 @@ CELLS: dict[str, Cell] = {
     ),
     # FedGroup's newcomers: 100 clients at the start, 900 joining (client cold start, eq. 9).
     "fedgroup-newcomers": Cell("fedgroup-newcomers", ("eval_every=1",), 300, last=10),
-    # DCFL Fig. 4: the per-round curves of Table I (DCFL, CFL, FedAvg), with and without DP.
-    # (without DP: with the preset's client-level DP every curve stays at chance, Table I).
+    # DCFL Fig. 4: the per-round curves of Table I (DCFL, CFL, FedAvg), without DP (with the
+    # preset's client-level DP every curve stays at chance, docs/reproduction.md Table I).
     "dcfl-fig4": Cell(
         "dcfl-emnist-dynamic",
         ("eval_every=1", "privacy.mode=none"),
