@@ -59,8 +59,12 @@ def run_setting(
     rounds: int | None = None,
     first_seed: int = 0,
     config_path: str | None = None,
+    only: list[str] | None = None,
 ) -> list[dict]:
-    """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries."""
+    """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries.
+
+    ``only`` keeps the algorithms of those labels or names, after ``sets`` (``--algorithms``).
+    """
     overrides = {
         "seeds": list(range(first_seed, first_seed + seeds)),
         "data": {"data_dir": data_dir},
@@ -68,6 +72,12 @@ def run_setting(
     if rounds is not None:
         overrides["rounds"] = rounds
     config = resolve_config(config_path, preset, sets, overrides)
+    if only:
+        keep = [a for a in config.algorithms if a.label in only or a.name in only]
+        missing = set(only) - {a.label for a in keep} - {a.name for a in keep}
+        if missing:
+            raise SystemExit(f"--algorithms: no algorithm labelled or named {sorted(missing)}")
+        config = config.model_copy(update={"algorithms": keep})
     results = Experiment(config).run(out, progress=False)
     summaries = [job_summary(j) for j in results]
     for s, j in zip(summaries, results, strict=True):

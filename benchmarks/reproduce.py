@@ -13,9 +13,16 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
     python -m benchmarks.reproduce dcfl-table2 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-fig5 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce summarize --runs DIR[:SEEDS] [...] --last 10
+    python -m benchmarks.reproduce jgl-fig4-mlp --seeds 3 --out runs/repro   # a CELLS entry
 
-``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process), and
-``summarize`` builds the table from run directories written that way.
+``CELLS`` are the scoreboard's cells that docs/reproduction.md had not measured
+(issue 24): each is a preset with overrides, a default number of rounds (the
+paper's, or the stated reduction) and the table's score; ``--rounds`` changes
+the rounds, ``--seeds`` the seeds.
+
+``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process),
+``--algorithms A,B`` only those of its algorithms (e.g. one process
+each), and ``summarize`` builds the table from run directories written that way.
 
 Scores: ``final`` is the pooled test accuracy of the last round; ``max`` the
 best over evaluated rounds (FedGroup's Table III); ``last-N`` the mean over
@@ -31,6 +38,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +51,12 @@ Row = dict[str, object]
 
 def _evaluated(rows: list[Row]) -> list[Row]:
     return [r for r in rows if not math.isnan(float(r["accuracy"]))]
+
+
+def first_round(rows: list[Row], key: str, target: float) -> float:
+    """The first round whose ``key`` is at least ``target`` (nan: never)."""
+    hits = [r["round"] for r in rows if not math.isnan(float(r[key])) and float(r[key]) >= target]
+    return float(hits[0]) if hits else math.nan
 
 
 def job_scores(rows: list[Row], last: int) -> dict[str, float]:
@@ -64,14 +78,28 @@ def job_scores(rows: list[Row], last: int) -> dict[str, float]:
         "n_clusters": float(rows[-1]["n_clusters"]),
         "epsilon": float(rows[-1]["epsilon"]),
         "seconds": float(sum(r["client_seconds"] + r["server_seconds"] for r in rows)),
+        "to_purity": first_round(rows, "purity", 0.9),
     }
 
 
-def score_table(jobs: list[Row], last: int, setting: str | None = None) -> list[Row]:
-    """Mean ± std over seeds of each algorithm's scores."""
+def reached(values: list[float]) -> str:
+    """``mean ± std (k/n)`` over the seeds that reached a target (``never (0/n)``)."""
+    hit = [v for v in values if not math.isnan(v)]
+    counted = f"({len(hit)}/{len(values)})"
+    return f"{mean_std(hit)} {counted}" if hit else f"never {counted}"
+
+
+def score_table(
+    jobs: list[Row], last: int, setting: str | None = None, acc_target: float | None = None
+) -> list[Row]:
+    """Mean ± std over seeds of each algorithm's scores.
+
+    With ``acc_target``, also the rounds to that pooled test accuracy (JGL Fig. 4(c)).
+    """
     table = []
     for alg in dict.fromkeys(j["algorithm"] for j in jobs):
-        s = [job_scores(j["rows"], last) for j in jobs if j["algorithm"] == alg]
+        mine = [j["rows"] for j in jobs if j["algorithm"] == alg]
+        s = [job_scores(rows, last) for rows in mine]
 
         def col(key: str, scale: float = 100.0, digits: int = 1, s=s) -> str:
             return mean_std([x[key] for x in s], scale, digits)
@@ -88,19 +116,34 @@ def score_table(jobs: list[Row], last: int, setting: str | None = None) -> list[
             "clusters": col("n_clusters", 1, 1),
             "purity": col("purity", 1, 2),
             "ARI": col("ari", 1, 2),
+            "rounds to purity 0.9": "-"
+            if col("purity") == "-"
+            else reached([x["to_purity"] for x in s]),
             "epsilon": col("epsilon", 1, 2),
             "train s": col("seconds", 1, 0),
         }
+        if acc_target is not None:
+            key = f"rounds to acc {acc_target:g}"
+            row[key] = reached([first_round(rows, "accuracy", acc_target) for rows in mine])
         table.append(row)
     return table
 
 
-def _run(preset: str, sets: list[str], args, tag: str, last: int, setting=None) -> list[Row]:
+def _jobs(preset: str, sets: list[str], args, tag: str, rounds: int | None = None) -> list[Row]:
     if args.first_seed:
         tag = f"{tag}-from-seed-{args.first_seed}"
+    only = args.algorithms.split(",") if args.algorithms else None
+    if only:
+        tag = f"{tag}-{'+'.join(only)}"
     out = Path(args.out) / tag
-    jobs = run_setting(preset, sets, args.seeds, out, args.data_dir, args.rounds, args.first_seed)
-    return score_table(jobs, last, setting)
+    rounds = args.rounds if args.rounds is not None else rounds
+    return run_setting(
+        preset, sets, args.seeds, out, args.data_dir, rounds, args.first_seed, only=only
+    )
+
+
+def _run(preset: str, sets: list[str], args, tag: str, last: int, setting=None) -> list[Row]:
+    return score_table(_jobs(preset, sets, args, tag), last, setting)
 
 
 def cflgt_s1(args) -> list[Row]:
@@ -202,6 +245,149 @@ def dcfl_fig5(args) -> list[Row]:
     return table
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One scoreboard cell group: a preset, overrides, default rounds and its score."""
+
+    preset: str
+    sets: tuple[str, ...]
+    rounds: int
+    last: int = 20
+    acc_target: float | None = None
+    clustering_round: int | None = None  # Fig. 8: report this round's costs
+    curve: tuple[int, ...] = ()  # Fig. 4 of DCFL: mean client accuracy at these rounds
+
+
+def _algs(*specs: str) -> str:
+    return "algorithms=[" + ", ".join(specs) + "]"
+
+
+JGL_PAIR = _algs(
+    "{name: jgl, label: jgl-0.2, params: {n_clusters: 4, lam: 0.2, init: random}}",
+    "{name: ifca, label: ifca, params: {n_clusters: 4, weighting: uniform, init: random}}",
+)
+# JGL Fig. 2 at the scale of docs/reproduction.md's JGL tables (global labels, random init).
+JGL_MNIST = ("data.partition.scale=0.27", "data.partition.relabel=false", "eval_every=1", JGL_PAIR)
+FG_EDC = "{name: fedgroup, label: fedgroup-edc, params: {n_groups: 3, measure: edc"
+
+CELLS: dict[str, Cell] = {
+    # JGL Fig. 4(b)-(c): rounds to 0.8 test accuracy, MLP (the paper: 14% fewer for JGL).
+    "jgl-fig4-mlp": Cell("jgl-mnist", JGL_MNIST, 40, acc_target=0.8),
+    # JGL Fig. 4(d)-(f): the Fig. 3 CNN on the same table, at scale 0.1 (CNN cost).
+    "jgl-fig4-cnn": Cell(
+        "jgl-mnist",
+        ("data.partition.scale=0.1", "data.partition.relabel=false", "eval_every=1")
+        + ("model.name=cnn", "model.options={}", JGL_PAIR),
+        15,
+        acc_target=0.8,
+    ),
+    # JGL Fig. 5(c): EMNIST, 200 devices in 8 clusters of 40 classes.
+    "jgl-fig5-emnist": Cell(
+        "jgl-emnist",
+        (
+            "eval_every=1",
+            _algs(
+                "{name: jgl, label: jgl-0.2, params: {n_clusters: 8, lam: 0.2, init: random}}",
+                "{name: ifca, label: ifca, params: {n_clusters: 8, weighting: uniform,"
+                " init: random}}",
+            ),
+        ),
+        16,
+    ),
+    # CFLGT Table I, Fashion-MNIST scenarios 2 and 3 (the preset's seven methods).
+    "cflgt-fmnist-s2": Cell("cflgt-s2", ("eval_every=1",), 125),
+    "cflgt-fmnist-s3": Cell("cflgt-s3", ("eval_every=1",), 125),
+    # CFLGT Table II on Fashion-MNIST scenario 3: FL+HC given 10 and 30 clusters
+    # (FL+HC(20) and CFLGT are cflgt-fmnist-s3's rows).
+    "cflgt-table2-fmnist": Cell(
+        "cflgt-s3",
+        (
+            "eval_every=1",
+            _algs(
+                "{name: flhc, label: flhc-10, params: {pretrain_rounds: 25, n_clusters: 10}}",
+                "{name: flhc, label: flhc-30, params: {pretrain_rounds: 25, n_clusters: 30}}",
+            ),
+        ),
+        125,
+    ),
+    # CFLGT Fig. 8: client and server time and upload of the clustering round
+    # (round 26, after 25 pre-training rounds) on Fashion-MNIST scenario 3.
+    "cflgt-fig8": Cell(
+        "cflgt-s3",
+        (
+            "eval_every=1",
+            _algs(
+                "{name: cflgt, params: {pretrain_rounds: 25}}",
+                "{name: flhc, params: {pretrain_rounds: 25, n_clusters: 20}}",
+                "{name: fesem, params: {n_clusters: 20}}",
+                "{name: ifca, params: {n_clusters: 20}}",
+            ),
+        ),
+        27,
+        clustering_round=26,
+    ),
+    # FedGroup Table III, MNIST-MLP column (one hidden layer of 128 units).
+    "fedgroup-mnist-mlp": Cell(
+        "fedgroup-mnist", ("eval_every=1", "model.name=mlp", "model.options={hidden: [128]}"), 300
+    ),
+    # FedGroup Table III's ablations RCC and RAC, and the inter-group rate eta_g, MNIST-MCLR.
+    "fedgroup-ablations": Cell(
+        "fedgroup-mnist",
+        (
+            "eval_every=1",
+            _algs(
+                FG_EDC + "}}",
+                FG_EDC.replace("fedgroup-edc", "fg-rcc-edc") + ", rcc: true}}",
+                FG_EDC.replace("fedgroup-edc", "fg-rac-edc") + ", rac: true}}",
+                FG_EDC.replace("fedgroup-edc", "fg-edc-eta0.1") + ", eta_g: 0.1}}",
+            ),
+        ),
+        300,
+    ),
+    # FedGroup's newcomers: 100 clients at the start, 900 joining (client cold start, eq. 9).
+    "fedgroup-newcomers": Cell("fedgroup-newcomers", ("eval_every=1",), 300, last=10),
+    # DCFL Fig. 4: the per-round curves of Table I (DCFL, CFL, FedAvg), without DP (with the
+    # preset's client-level DP every curve stays at chance, docs/reproduction.md Table I).
+    "dcfl-fig4": Cell(
+        "dcfl-emnist-dynamic",
+        ("eval_every=1", "privacy.mode=none"),
+        60,
+        last=10,
+        curve=(1, 5, 10, 20, 30, 40, 50, 60),
+    ),
+}
+
+
+def run_cell(name: str, args) -> list[Row]:
+    """Run one of ``CELLS`` and return its score table (Fig. 8: the clustering round's costs)."""
+    cell = CELLS[name]
+    jobs = _jobs(cell.preset, list(cell.sets), args, name, cell.rounds)
+    if cell.clustering_round is None:
+        table = score_table(jobs, cell.last, acc_target=cell.acc_target)
+        for row in table:
+            mine = [j["rows"] for j in jobs if j["algorithm"] == row["algorithm"]]
+            for rnd in cell.curve:
+                at = [float(r["accuracy_mean"]) for rows in mine for r in rows if r["round"] == rnd]
+                row[f"clients @{rnd}"] = mean_std(at, 1, 2)
+        return table
+    table = []
+    for job in jobs:
+        row = next(r for r in job["rows"] if r["round"] == cell.clustering_round)
+        later = [r for r in job["rows"] if r["round"] > cell.clustering_round]
+        table.append(
+            {
+                "algorithm": job["algorithm"],
+                "seed": str(job["seed"]),
+                f"client s, round {cell.clustering_round}": f"{row['client_seconds']:.2f}",
+                f"server s, round {cell.clustering_round}": f"{row['server_seconds']:.3f}",
+                f"KB up, round {cell.clustering_round}": f"{row['bytes_up'] / 1e3:.1f}",
+                "client s per later round": f"{np.mean([r['client_seconds'] for r in later]):.2f}",
+                "server s per later round": f"{np.mean([r['server_seconds'] for r in later]):.3f}",
+            }
+        )
+    return table
+
+
 def load_jobs(runs: list[str]) -> list[Row]:
     """Jobs (algorithm, seed, metric rows) read back from run directories' ``metrics.csv``.
 
@@ -237,12 +423,20 @@ EXPERIMENTS: dict[str, Callable] = {
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "summarize"])
+    p.add_argument("experiment", choices=[*sorted(EXPERIMENTS), *sorted(CELLS), "summarize"])
     p.add_argument("--runs", nargs="*", default=[], help="summarize: run directories [DIR:SEEDS]")
     p.add_argument("--last", type=int, default=10, help="summarize: N of the last-N score")
+    p.add_argument(
+        "--algorithms",
+        default="",
+        help="comma-separated labels or names: run only these of the experiment's algorithms "
+        "(e.g. one process each; 'summarize' merges the run directories)",
+    )
     args = p.parse_args()
     if args.experiment == "summarize":
         table = score_table(load_jobs(args.runs), args.last)
+    elif args.experiment in CELLS:
+        table = run_cell(args.experiment, args)
     else:
         table = EXPERIMENTS[args.experiment](args)
     save_json(Path(args.out) / f"{args.experiment}.json", table)
