@@ -125,3 +125,32 @@ def test_fesem_repair_separates_two_groups_that_start_in_one_cluster():
         assert ("repair/splits" in logged) == (repair is not None)
     assert results[True] == 0.5  # without repair the far centre stays empty
     assert results[False] == 1.0
+
+
+def test_repair_at_k8_splits_alike_groups_only_below_the_default_separation():
+    """JGL's EMNIST setting (docs/reproduction.md): with K = 8, two true groups whose
+    updates have cosine 0.9 share cluster 0 and cluster 7 is empty. By hand the split's
+    separation is 1 - 0.9 = 0.1: the default threshold 0.3 keeps them merged, 0.03 splits
+    them exactly, and the six congruent clusters (separation 0) are never split."""
+    k, d = 8, 8
+    a = torch.zeros(d)
+    a[0] = 1.0
+    b = torch.zeros(d)
+    b[0], b[1] = 0.9, np.sqrt(1 - 0.81)  # unit vector, cos(a, b) = 0.9
+    old = torch.zeros(k, d)
+    old[1:7] = torch.arange(1, 7, dtype=torch.float32)[:, None]
+    ups = [a] * 4 + [b] * 4 + [torch.eye(d)[2 + j % 6] for j in range(24)]
+    choice = np.array([0] * 8 + [1 + j % 6 for j in range(24)])
+    rows = old[choice] + torch.stack(ups)
+    new = torch.stack(
+        [rows[choice == c].mean(dim=0) if (choice == c).any() else old[c] for c in range(k)]
+    )
+    kept = repair_clusters(ClusterRepair(), old, new, new - old, rows, choice, None)
+    assert kept.splits == [] and (kept.choice == choice).all()
+    assert kept.separation[0] == pytest.approx(0.1, abs=1e-6)
+    assert np.allclose(kept.separation[1:7], 0.0, atol=1e-6) and np.isnan(kept.separation[7])
+    split = repair_clusters(ClusterRepair(separation=0.03), old, new, new - old, rows, choice, None)
+    assert split.splits == [(0, 7)]
+    moved = split.choice[:8] == 7
+    assert moved.sum() == 4 and (moved[:4].all() or moved[4:].all())
+    assert (split.choice[8:] == choice[8:]).all()
