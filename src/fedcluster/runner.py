@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from fedcluster.algorithms import Context, algorithm_class, algorithm_params, check_algorithms
-from fedcluster.algorithms.base import Algorithm, State, init_row
+from fedcluster.algorithms.base import Algorithm, State, auto_k, init_row
 from fedcluster.algorithms.channel import UpdateBound
+from fedcluster.algorithms.select_k import select_k
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.central_dp import CentralDP
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
@@ -331,7 +332,10 @@ class Job:
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
-        self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
+        self.spec, self.ctx = spec, ctx
+        self.auto = auto_k(spec)  # n_clusters: auto: the algorithm is built once K is chosen
+        if self.auto is None:
+            self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self._keep_traffic = False  # init_state's traffic, kept for the first round
         self.info.groups = federation.groups
@@ -340,6 +344,8 @@ class Job:
         self, rundir: RunDirectory, resume: bool, last: int, callbacks: list[Callback]
     ) -> JobResult:
         info = self.info
+        if self.auto is not None:
+            self._choose_k(rundir, resume)
         state = self._restore(rundir) if resume else None
         for event in self.scenario.drifts_through(info.first_round - 1):  # data at the checkpoint
             self._drift(event)
@@ -371,6 +377,24 @@ class Job:
         for callback in callbacks:
             callback.on_job_end(info, result)
         return result
+
+    def _choose_k(self, rundir: RunDirectory, resume: bool) -> None:
+        """Build the algorithm with the K a warm-up chooses (:mod:`fedcluster.algorithms.select_k`).
+
+        The warm-up's traffic counts in round 1 and its curve goes to ``select_k.csv``; a
+        resumed job with a checkpoint takes the K recorded there instead of warming up again.
+        """
+        assert self.auto is not None
+        label, seed = self.info.label, self.info.seed
+        k = None
+        if resume and rundir.checkpoint_path(label, seed).exists():
+            k = rundir.chosen_k(label, seed)
+        if k is None:
+            self.channel.set_masks(*self.scenario.masks(1))
+            k, curve = select_k(self.ctx, self.auto, np.flatnonzero(self.channel.available))
+            rundir.save_k_curve(label, seed, self.auto.field, curve, k)
+            log.info("%s seed %d: %s = %d (silhouette %s)", label, seed, self.auto.field, k, curve)
+        self.algorithm = algorithm_class(self.spec.name)(algorithm_params(self.spec, k=k), self.ctx)
 
     def _restore(self, rundir: RunDirectory) -> State | None:
         """The checkpointed state of a resumed job (``None``: start afresh), its rows

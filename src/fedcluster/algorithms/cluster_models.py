@@ -109,6 +109,7 @@ class ClusterModelAlgorithm(Algorithm):
     """Base class: K cluster models, client-side choice, per-cluster averaging."""
 
     Params = ClusterModelParams
+    cluster_count = "n_clusters"
     StateType = ClusterModelState
 
     def init_state(self) -> ClusterModelState:

@@ -178,6 +178,7 @@ class FedEM(Algorithm):
 
     name = "fedem"
     Params = FedEMParams
+    cluster_count = "n_components"
     StateType = FedEMState
     per_client_models = True
     params: FedEMParams

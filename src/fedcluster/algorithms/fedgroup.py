@@ -144,6 +144,7 @@ class FedGroup(Algorithm):
 
     name = "fedgroup"
     Params = FedGroupParams
+    cluster_count = "n_groups"
     StateType = FedGroupState
 
     def init_state(self) -> FedGroupState:

@@ -153,6 +153,7 @@ class FedSoft(Algorithm):
 
     name = "fedsoft"
     Params = FedSoftParams
+    cluster_count = "n_clusters"
     StateType = FedSoftState
     params: FedSoftParams
 

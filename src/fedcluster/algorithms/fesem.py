@@ -123,6 +123,7 @@ class FeSEM(Algorithm):
 
     name = "fesem"
     Params = FeSEMParams
+    cluster_count = "n_clusters"
     StateType = FeSEMState
 
     def init_state(self) -> FeSEMState:
