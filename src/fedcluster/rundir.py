@@ -5,8 +5,9 @@ Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
 (client -> cluster per round, with the true group; −1 for a client not
 present), ``events.csv`` (per job and round: faulty clients, joins,
 departures, drift, failures and rejections, each with client and detail),
-``diagnostics.csv`` (an algorithm's per-round scalars), ``summary.json`` /
-``summary.md`` and ``checkpoints/``. Each file is written by one callback
+``diagnostics.csv`` (an algorithm's per-round scalars), ``select_k.csv`` (the
+criterion per K of ``n_clusters: auto`` jobs), ``summary.json`` / ``summary.md``
+and ``checkpoints/``. Each file is written by one callback
 (:mod:`fedcluster.callbacks`), so the runner's loop does none of it.
 Checkpoints are written atomically every ``checkpoint_every`` rounds.
 """

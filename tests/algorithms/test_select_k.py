@@ -76,11 +76,12 @@ class KeptK(fedcluster.Callback):
             raise KeyboardInterrupt
 
 
-def _run(out: Path, federation, k_range: list[int], callback: KeptK) -> None:
+def _run(out: Path, federation, k_range: list[int], callback: KeptK, k: int | str = "auto") -> None:
+    params = {"n_clusters": k, "k_range": k_range} if k == "auto" else {"n_clusters": k}
     fedcluster.run(
         model=_model,
         federation=federation,
-        algorithms=[("ifca", {"n_clusters": "auto", "k_range": k_range})],
+        algorithms=[("ifca", params)],
         rounds=2,
         train={"lr": 0.1, "batch_size": 16},
         config={"checkpoint_every": 1},
@@ -117,6 +118,20 @@ def test_the_run_directory_records_the_curve_and_the_job_runs_with_the_chosen_k(
     assert shown["chosen K"] == best["k"]
     assert [shown[f"K={r['k']}"] for r in rows] == [f"{float(r['value']):.3f}" for r in rows]
 
+    # the same job as with that K given, but for the warm-up's bytes in round 1: each of
+    # the 6 clients receives w0 and uploads its model (d float32 each way)
+    _run(tmp_path / "given", federation, [2, 4], KeptK(), k=int(best["k"]))
+    full, given = (_table(tmp_path / d / "metrics.csv") for d in ("full", "given"))
+    timing = ("client_seconds", "server_seconds", "eval_seconds")
+    skip = ("bytes_up", "bytes_down", *timing)
+    assert [{k: v for k, v in r.items() if k not in skip} for r in full] == [
+        {k: v for k, v in r.items() if k not in skip} for r in given
+    ]
+    d = sum(p.numel() for p in _model((1, 8, 8), 10).parameters())
+    for column in ("bytes_up", "bytes_down"):
+        extra = [int(a[column]) - int(b[column]) for a, b in zip(full, given, strict=True)]
+        assert extra == [6 * d * 4, 0], column
+
     # killed after round 1, resumed: K is read back, not chosen again; the same metrics
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path / "killed", federation, [2, 4], KeptK(kill=1))
@@ -128,10 +143,9 @@ def test_the_run_directory_records_the_curve_and_the_job_runs_with_the_chosen_k(
     monkeypatch.setattr("fedcluster.runner.select_k", chosen_again)
     resume(tmp_path / "killed", progress=False, federation=federation)
     assert _table(tmp_path / "killed" / "select_k.csv") == rows
-    full, resumed = (_table(tmp_path / d / "metrics.csv") for d in ("full", "killed"))
-    drop = ("client_seconds", "server_seconds", "eval_seconds")
-    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
-        {k: v for k, v in r.items() if k not in drop} for r in full
+    resumed = _table(tmp_path / "killed" / "metrics.csv")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in resumed] == [
+        {k: v for k, v in r.items() if k not in timing} for r in full
     ]
 
 

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 AUTO = "auto"
 DEFAULT_K_RANGE = (2, 8)
-CRITERION = "silhouette"
+AUTO_HELP = " ('auto': chosen before round 1, range k_range [2, 8]; docs/clustering.md)"
+"""Appended to the description of each algorithm's cluster-count parameter."""
 WARMUP_ROUND = 0
 """The round number of the warm-up's training (its random streams differ from round 1's)."""
 
