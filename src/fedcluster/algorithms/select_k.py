@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 AUTO = "auto"
 DEFAULT_K_RANGE = (2, 8)
+COUNT_NAMES = ("n_clusters", "n_groups", "n_components")
+"""The names the built-in algorithms give K: ``auto`` under another one is named as misplaced."""
 AUTO_HELP = " ('auto': chosen before round 1, range k_range [2, 8]; docs/clustering.md)"
 """Appended to the description of each algorithm's cluster-count parameter."""
 WARMUP_ROUND = 0
@@ -62,8 +64,9 @@ def parse_auto(
     k_range = rest.pop("k_range", None)
     has_range = "k_range" in params
     if field is None or rest.get(field) != AUTO:
-        if has_range or AUTO in rest.values():
-            key = "k_range" if has_range else next(k for k, v in rest.items() if v == AUTO)
+        misplaced = [k for k in COUNT_NAMES if rest.get(k) == AUTO]
+        if has_range or misplaced:
+            key = "k_range" if has_range else misplaced[0]
             target = f"{field}: auto" if field else "a cluster count"
             raise ConfigError(
                 f"field '{where}.{key}': applies only with {target}; {name} "
