@@ -6,7 +6,7 @@ interpretation and validation of cluster analysis", J. Comput. Appl. Math. 20,
 other points of its cluster, b(i) the least mean distance to the points of
 another cluster. The partition of each K is k-means with k-means++ seeding;
 the K whose partition has the largest mean silhouette is chosen (Kaufman &
-Rousseeuw, "Finding Groups in Data", 1990, Sec. 2.2: the silhouette
+Rousseeuw, "Finding Groups in Data", 1990, ch. 2: the silhouette
 coefficient as the criterion for the number of clusters); ties go to the
 smaller K. The silhouette is defined for 2 ≤ K ≤ n − 1, so K = 1 (no
 clustering) cannot be chosen.
