@@ -7,6 +7,8 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
 :mod:`fedcluster.openmp`).
 
 - :func:`run`, :func:`resume`, :class:`RunResult`: the Python API (:mod:`fedcluster.api`);
+  :func:`assign`: a finished run's cluster model for a new device's data, with or
+  without labels (:mod:`fedcluster.cluster_choice`);
 - :class:`Federation` (``Federation.from_clients``), :class:`Experiment`, :class:`Callback`;
 - the algorithms' parameter objects, the same pydantic classes that validate the
   YAML's ``params``: ``FedAvg``, ``FedProx``, ``FedAvgFT``, ``Local``, ``IFCA``,
@@ -29,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "run": ("fedcluster.api", "run"),
     "resume": ("fedcluster.api", "resume"),
     "RunResult": ("fedcluster.api", "RunResult"),
+    "assign": ("fedcluster.api", "assign"),
     "Experiment": ("fedcluster.runner", "Experiment"),
     "Federation": ("fedcluster.data.federation", "Federation"),
     "Callback": ("fedcluster.callbacks", "Callback"),
@@ -69,6 +72,7 @@ __all__ = [
     "run",
     "resume",
     "RunResult",
+    "assign",
     "Experiment",
     "Federation",
     "Callback",
@@ -136,7 +140,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from fedcluster.algorithms.ifca import IFCAParams as IFCA
     from fedcluster.algorithms.jgl import JGLParams as JGL
     from fedcluster.algorithms.local import LocalParams as Local
-    from fedcluster.api import RunResult, resume, run
+    from fedcluster.api import RunResult, assign, resume, run
     from fedcluster.callbacks import Callback
     from fedcluster.config import (
         AggregationConfig,

@@ -1,4 +1,5 @@
-"""The Python API: ``fedcluster.run`` and ``fedcluster.resume`` without a preset (issue 20 item 3).
+"""The Python API: ``fedcluster.run``, ``fedcluster.resume`` without a preset (issue 20 item 3)
+and ``fedcluster.assign``, a finished run's cluster model for a new device (issue 23 item 3).
 
 Modelled on scikit-learn's estimators (typed hyperparameter objects, results
 as arrays and tables) and pfl-research's callbacks::
@@ -32,11 +33,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel
 from torch import nn
 
 from fedcluster.algorithms import ALGORITHMS, Algorithm, AlgorithmParams
 from fedcluster.callbacks import Callback
+from fedcluster.cluster_choice import Assignment, DeviceData, FinishedRun
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, deep_merge, validate_config
 from fedcluster.data.federation import Federation
 from fedcluster.engine.modes import LossFn
@@ -324,3 +327,42 @@ def _write_report(path: Path) -> Path:
     from fedcluster.reporting import write_report
 
     return write_report([path])
+
+
+def assign(
+    run_dir: str | Path,
+    data: str | Path | DeviceData | Any,
+    *,
+    labels: Any = None,
+    algorithms: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    record: bool = False,
+    model: nn.Module | None = None,
+    federation: Federation | None = None,
+    trust: bool = False,
+    loss: LossFn | None = None,
+) -> list[Assignment]:
+    """Which cluster model of the finished run ``run_dir`` a device should use for ``data``
+    (:mod:`fedcluster.cluster_choice`): one :class:`~fedcluster.cluster_choice.Assignment`
+    per job, with each rule's choice (``entropy`` and ``confidence`` without labels;
+    ``loss`` too when there are labels) and every candidate's scores.
+
+    Args:
+        data: a ``.npz`` file (``x`` [N, *input shape], optionally ``y`` and ``group``),
+            a :class:`~fedcluster.cluster_choice.DeviceData`, or the samples as an array or tensor.
+        labels: the samples' labels, with an array ``data`` (for the labelled choice).
+        algorithms, seeds: only these jobs (labels as in ``metrics.csv``); default all.
+        record: append the choices to the run's ``assign.csv`` (``fedcluster report``).
+        model, federation, loss, trust: as for :func:`resume`, for a run started
+            with objects from Python.
+    """
+    run = FinishedRun.load(run_dir, algorithms, seeds, model, federation, trust, loss)
+    if isinstance(data, str | Path):
+        device = run.read(data)
+    elif isinstance(data, DeviceData):
+        device = data
+    else:
+        device = DeviceData(
+            torch.as_tensor(data), None if labels is None else torch.as_tensor(labels)
+        )
+    return run.assign(device, record=record)

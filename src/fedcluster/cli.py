@@ -1,5 +1,5 @@
-"""Command-line interface: ``fedcluster run | compare | resume | report | list | show | verify |
-flower``."""
+"""Command-line interface: ``fedcluster run | compare | resume | report | assign | list | show |
+verify | flower``."""
 
 from __future__ import annotations
 
@@ -113,6 +113,33 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
     rep.add_argument(
         "--out", help="report folder (default: the run directory; needed for several runs)"
+    )
+
+    asg = sub.add_parser(
+        "assign",
+        help="which cluster model of a finished run a device should use for its (unlabelled) data",
+    )
+    asg.add_argument("run", metavar="RUN", help="run directory of a finished run")
+    asg.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help=".npz with x [N, *input shape], optionally y (labels) and group (an integer); "
+        "or a client file of `fedcluster flower export` (x_test, y_test)",
+    )
+    asg.add_argument(
+        "--algorithms",
+        help="comma-separated labels of the run's algorithms (as in metrics.csv); default: all",
+    )
+    asg.add_argument("--seed", type=int, help="only this seed's jobs (default: every seed)")
+    asg.add_argument("--json", action="store_true", help="print the choices as JSON")
+    asg.add_argument(
+        "--record",
+        action="store_true",
+        help="append the choices to RUN/assign.csv (shown by `fedcluster report`)",
+    )
+    asg.add_argument(
+        "--trust", action="store_true", help="import the code config.yaml names (as resume)"
     )
 
     lst = sub.add_parser("list", help="what each algorithm, dataset, partition, model, preset is")
@@ -295,6 +322,23 @@ def _print_summary(out: Path) -> None:
     print(f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}")
 
 
+def _assign(args: argparse.Namespace) -> int:
+    import json
+
+    from fedcluster.cluster_choice import FinishedRun, format_assignments
+
+    seeds = None if args.seed is None else [args.seed]
+    run = FinishedRun.load(args.run, _algorithm_names(args), seeds, trust=args.trust)
+    assignments = run.assign(run.read(args.data), record=args.record)
+    if args.json:
+        print(json.dumps([a.to_dict() for a in assignments], indent=1))
+    else:
+        print(format_assignments(assignments))
+    if args.record:
+        print(f"recorded: {Path(args.run) / 'assign.csv'}", file=sys.stderr)
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     from fedcluster.catalog import format_sections
 
@@ -353,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             return _resume(args)
         if args.command == "report":
             return _report_command(args)
+        if args.command == "assign":
+            return _assign(args)
         if args.command == "list":
             return _list(args)
         if args.command == "show":

@@ -57,6 +57,7 @@ from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rebuild import check_rebuildable, record_given
 from fedcluster.rng import numpy_rng
 from fedcluster.rundir import (
+    Checkpoint,
     JobResult,
     RunDirectory,
     check_resumable,
@@ -255,15 +256,23 @@ class Experiment:
             federation, pool = self.data(seed)
             if isinstance(federation, Federation):  # the nodes hold the data on Flower
                 federation = federation.to(device)
-            scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
-            model = self.model(federation)
-            start_row = init_row(model, seed, "init")
+            setting, scenario = self.setting(federation, seed)
             for spec in cfg.algorithms:
-                job = Job(self, run, spec, seed, (federation, model, start_row), (scenario, pool))
+                job = Job(self, run, spec, seed, setting, (scenario, pool))
                 results.append(job.run(rundir, resume, last, callbacks))
         for callback in callbacks:
             callback.on_run_end(run, results)
         return results
+
+    def setting(
+        self, federation: FederationView, seed: int
+    ) -> tuple[tuple[FederationView, nn.Module, torch.Tensor], Scenario]:
+        """What every job of a seed shares: (federation, model, initial row), and the
+        seed's scenario."""
+        cfg = self.config
+        model = self.model(federation)
+        scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
+        return (federation, model, init_row(model, seed, "init")), scenario
 
 
 class BackendFactory(Protocol):
@@ -334,8 +343,9 @@ class Job:
             self.channel.client_transforms.append(faulty)
         self.spec, self.ctx = spec, ctx
         self.auto = auto_k(spec)  # n_clusters: auto: the algorithm is built once K is chosen
+        self.algorithm: Algorithm
         if self.auto is None:
-            self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
+            self._build(None)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self._keep_traffic = False  # init_state's traffic, kept for the first round
         self.info.groups = federation.groups
@@ -344,8 +354,9 @@ class Job:
         self, rundir: RunDirectory, resume: bool, last: int, callbacks: list[Callback]
     ) -> JobResult:
         info = self.info
-        if self.auto is not None:
-            self._choose_k(rundir, resume)
+        resumed = resume and rundir.checkpoint_path(info.label, info.seed).exists()
+        if self.auto is not None and not resumed:
+            self._choose_k(rundir)  # a resumed job's K is read back with its checkpoint
         state = self._restore(rundir) if resume else None
         for event in self.scenario.drifts_through(info.first_round - 1):  # data at the checkpoint
             self._drift(event)
@@ -378,32 +389,37 @@ class Job:
             callback.on_job_end(info, result)
         return result
 
-    def _choose_k(self, rundir: RunDirectory, resume: bool) -> None:
-        """Build the algorithm with the K a warm-up chooses (:mod:`fedcluster.algorithms.select_k`).
-
-        The warm-up's traffic counts in round 1 and its curve goes to ``select_k.csv``; a
-        resumed job with a checkpoint takes the K recorded there instead of warming up again.
-        """
-        assert self.auto is not None
-        label, seed = self.info.label, self.info.seed
-        k = None
-        if resume and rundir.checkpoint_path(label, seed).exists():
-            k = rundir.chosen_k(label, seed)
-        if k is None:
-            self.channel.set_masks(*self.scenario.masks(1))
-            k, curve = select_k(self.ctx, self.auto, np.flatnonzero(self.channel.available))
-            rundir.save_k_curve(label, seed, self.auto.field, curve, k)
-            log.info("%s seed %d: %s = %d (silhouette %s)", label, seed, self.auto.field, k, curve)
+    def _build(self, k: int | None) -> None:
+        """The job's algorithm; ``k`` replaces an ``auto`` number of clusters."""
         self.algorithm = algorithm_class(self.spec.name)(algorithm_params(self.spec, k=k), self.ctx)
 
-    def _restore(self, rundir: RunDirectory) -> State | None:
-        """The checkpointed state of a resumed job (``None``: start afresh), its rows
-        and round; the run directory's tables cut back to the checkpoint."""
+    def _choose_k(self, rundir: RunDirectory) -> None:
+        """Build the algorithm with the K a warm-up chooses (:mod:`fedcluster.algorithms.select_k`);
+        the warm-up's traffic counts in round 1 and its curve goes to ``select_k.csv``."""
+        assert self.auto is not None
+        label, seed = self.info.label, self.info.seed
+        self.channel.set_masks(*self.scenario.masks(1))
+        k, curve = select_k(self.ctx, self.auto, np.flatnonzero(self.channel.available))
+        rundir.save_k_curve(label, seed, self.auto.field, curve, k)
+        log.info("%s seed %d: %s = %d (silhouette %s)", label, seed, self.auto.field, k, curve)
+        self._build(k)
+
+    def checkpointed(self, rundir: RunDirectory) -> tuple[Checkpoint, State] | None:
+        """The job's checkpoint in ``rundir`` and the server state it holds, checked
+        against the run's config (None: the job has no checkpoint). An ``auto`` job's
+        algorithm is built with the K ``select_k.csv`` records."""
         info = self.info
         path = rundir.checkpoint_path(info.label, info.seed)
         if not path.exists():
-            rundir.rebuild_job(info.label, info.seed, {})
             return None
+        if self.auto is not None:
+            k = rundir.chosen_k(info.label, info.seed)
+            if k is None:
+                raise FedclusterError(
+                    f"{rundir.select_k}: no chosen K for {info.label} seed {info.seed} "
+                    f"({self.auto.field}: auto); its checkpoint {path.name} needs it"
+                )
+            self._build(k)
         ckpt = load_checkpoint(path)
         ckpt.check(path, info.label, info.seed, self.config)
         try:
@@ -412,6 +428,17 @@ class Job:
             raise FedclusterError(
                 f"checkpoint {path} does not hold a {info.label} state: {exc}"
             ) from None
+        return ckpt, state
+
+    def _restore(self, rundir: RunDirectory) -> State | None:
+        """The checkpointed state of a resumed job (``None``: start afresh), its rows
+        and round; the run directory's tables cut back to the checkpoint."""
+        info = self.info
+        found = self.checkpointed(rundir)
+        if found is None:
+            rundir.rebuild_job(info.label, info.seed, {})
+            return None
+        ckpt, state = found
         info.first_round = ckpt.round + 1
         info.rows = ckpt.rows
         info.wall_offset = ckpt.wall_seconds
@@ -531,9 +558,7 @@ def resume(
     directory (:mod:`fedcluster.rebuild`).
     """
     path = Path(out)
-    config = validate_config(load_yaml(path / "config.yaml"))
-    check_resumable(RunDirectory(path), config, trust)
-    check_rebuildable(path, config, model, federation, loss)
+    config = checked_config(path, trust, model, federation, loss)
     if experiment_factory is not None:
         experiment = experiment_factory(config)
     else:
@@ -549,3 +574,19 @@ def resume(
             f"cannot resume {path}: {first} -- do the model and data rebuilt from "
             f"config.yaml (model.name, data) still match the run's checkpoints?"
         ) from exc
+
+
+def checked_config(
+    path: Path,
+    trust: bool,
+    model: nn.Module | None = None,
+    federation: Federation | None = None,
+    loss: LossFn | None = None,
+) -> ExperimentConfig:
+    """A run directory's config, once its checkpoints vouch for it and the objects it was
+    started with from Python are passed (:func:`~fedcluster.rundir.check_resumable`,
+    :func:`~fedcluster.rebuild.check_rebuildable`): what may be imported and built."""
+    config = validate_config(load_yaml(path / "config.yaml"))
+    check_resumable(RunDirectory(path), config, trust)
+    check_rebuildable(path, config, model, federation, loss)
+    return config

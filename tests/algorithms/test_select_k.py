@@ -6,17 +6,19 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torch import nn
 
 import fedcluster
 from fedcluster.algorithms import check_algorithms
-from fedcluster.config import validate_config
+from fedcluster.cli import main
+from fedcluster.config import load_yaml, validate_config
 from fedcluster.errors import ConfigError
 from fedcluster.reporting import figures
 from fedcluster.reporting.document import _k_curves
 from fedcluster.reporting.rundata import load_run
-from fedcluster.runner import resume
+from fedcluster.runner import build_federation_for, resume
 from tests.helpers import rotated_digits
 
 
@@ -155,3 +157,21 @@ def test_a_k_range_beyond_the_clients_is_one_line(tmp_path):
         _run(tmp_path / "run", federation, [2, 4], KeptK())
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_fedcluster_assign_reads_an_auto_job_with_its_chosen_k(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "--set", "data.dataset=digits", "--set", "model.options={hidden: [16]}"]
+    args += ["--set", "data.partition={name: rotation, n_groups: 2, base: iid, "]
+    args[-1] += "base_options: {n_clients: 5, test_fraction: 0.2}}"
+    args += ["--set", "algorithms=[{name: ifca, params: {n_clusters: auto}}]"]
+    assert main([*args, "--rounds", "1", "--quiet", "--no-report", "--out", str(out)]) == 0
+    [chosen] = [int(r["k"]) for r in _table(out / "select_k.csv") if r["chosen"] == "1"]
+    assert [int(r["k"]) for r in _table(out / "select_k.csv")] == [2, 3, 4]  # [2, 8] capped
+
+    fed = build_federation_for(validate_config(load_yaml(out / "config.yaml")), 0)
+    part = fed.subset([0])
+    data = tmp_path / "device.npz"
+    np.savez(data, x=part.x_test.numpy(), y=part.y_test.numpy())
+    [found] = fedcluster.assign(out, data, algorithms=["ifca"])  # its checkpoint is read
+    assert found.models and set(found.models) <= set(range(chosen))

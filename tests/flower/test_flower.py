@@ -42,7 +42,15 @@ CONFIG = {
     "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
     "participation": {"fraction": 0.5},
     "algorithms": [  # every algorithm, with its clustering early enough to happen in 3 rounds
-        {"name": name, "params": SMALL.get(name, {})} for name in sorted(ALGORITHMS)
+        *(
+            {"name": name, "label": name, "params": SMALL.get(name, {})}
+            for name in sorted(ALGORITHMS)
+        ),
+        {  # IFCA's weight sharing: the shared layers' bytes counted once on both backends
+            "name": "ifca",
+            "label": "ifca-shared",
+            "params": {**SMALL["ifca"], "shared_layers": "all_but_last"},
+        },
     ],
 }
 

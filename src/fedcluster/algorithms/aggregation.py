@@ -3,7 +3,8 @@
 - :func:`cluster_average`: each cluster's model is the (sample-weighted or
   uniform) mean of its members' uploaded models -- JGL eq. 7, IFCA's model
   averaging, DCFL eq. 5, FedGroup Alg. 2, FeSEM's M-step, CFL's per-cluster
-  FedAvg.
+  FedAvg; with ``shared`` columns, IFCA's weight sharing (Ghosh et al. 2020,
+  Sec. 5): those columns are averaged over every member of every cluster.
 - :func:`eval_rows_with_average`: the cluster models plus their average, the
   model a client without a cluster uses (DCFL's W_G, FedGroup's auxiliary
   global model).
@@ -24,6 +25,7 @@ def cluster_average(
     weights: np.ndarray | None = None,
     aggregate: Aggregator = MEAN,
     start: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-cluster (weighted) mean of ``rows`` [n, d] grouped by ``labels`` [n].
 
@@ -33,7 +35,9 @@ def cluster_average(
     previous row. ``aggregate`` (the run's rule, :mod:`fedcluster.engine.robust`)
     may replace the mean by a robust rule; the members' updates are measured
     from ``start`` [n, d] (the models they trained from), by default from the
-    cluster's previous row.
+    cluster's previous row. ``shared`` columns (the same in every row of
+    ``previous``) become, in all K rows, the aggregate of all n rows' columns
+    with the same weights: layers the clusters share (IFCA's weight sharing).
     """
     out = previous.clone()
     w = torch.ones(len(labels)) if weights is None else torch.as_tensor(weights)
@@ -41,6 +45,9 @@ def cluster_average(
         members = torch.as_tensor(labels == c)
         base = previous[int(c)] if start is None else start[members]
         out[int(c)] = aggregate(base, rows[members], w[members])
+    if shared is not None and len(labels):
+        base = previous[0, shared] if start is None else start[:, shared]
+        out[:, shared] = aggregate(base, rows[:, shared], w)
     return out
 
 

@@ -45,6 +45,7 @@ from fedcluster.plugins import resolve
 
 if TYPE_CHECKING:
     from fedcluster.central_dp import CentralDP
+    from fedcluster.engine.flat import ParamLayout
     from fedcluster.privacy import LocalDP
 
 
@@ -195,9 +196,14 @@ class Context:
         return self.federation.n_clients
 
     @property
+    def layout(self) -> ParamLayout:
+        """Where each named parameter and float buffer lives in a row."""
+        return self.channel.backend.layout
+
+    @property
     def dim(self) -> int:
         """The row's width: parameters and float buffers (:mod:`fedcluster.engine.flat`)."""
-        return self.channel.backend.layout.dim
+        return self.layout.dim
 
     def parameter_part(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``[..., d]`` with their float buffers set to 0 (a copy where there are any):

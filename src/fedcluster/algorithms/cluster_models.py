@@ -22,6 +22,19 @@ Initial models are independent random initialisations, all equal, or IFCA's
 every cluster is chosen (by loss) by at least ``min_cluster_share`` of the
 clients. That re-drawing uses knowledge a real server lacks, so its traffic is
 not counted; it is offered to reproduce the papers' baselines.
+
+Weight sharing (``shared_layers``; IFCA, Ghosh et al. 2020, Sec. 5 and its
+CIFAR experiments: all layers but the last shared across clusters). The K
+models hold one copy of the named parameters (and float buffers): tied from
+the initial models on (the first model's), and after each round's averaging
+they are the average over every accepted client of every cluster, with the
+weights of the per-cluster average; each cluster keeps its own other layers,
+averaged within the cluster. A client chooses by its loss under each full
+model (shared + own layers) and uploads its whole trained model. The broadcast
+of the K models (JGL: and their Δw_k, whose shared columns are equal too)
+sends the shared columns once (:attr:`~fedcluster.engine.computation.Request.tied`):
+(K − 1)·|shared|·4 bytes fewer per asked client and query. An unchosen
+cluster keeps its own layers, and its shared layers move with everyone's.
 """
 
 from __future__ import annotations
@@ -31,12 +44,13 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
+    Context,
     Exchange,
     State,
     log,
@@ -47,6 +61,8 @@ from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_dia
 from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.computation import ClientComputation, Payload, Request, Settings
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.errors import ConfigError
 from fedcluster.rng import derive_seed, numpy_rng
 
 
@@ -74,6 +90,59 @@ class ClusterModelParams(AlgorithmParams):
         description="the device chooses its cluster and trains in one message "
         "(JGL Alg. 1); off: a decision query, then the training",
     )
+    shared_layers: str | list[str] | None = Field(
+        None,
+        description="parameters the K models share, averaged over all clients (IFCA Sec. 5): "
+        "'all_but_last' or a list of parameter names (None: off)",
+    )
+
+    @field_validator("shared_layers")
+    @classmethod
+    def _known_form(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, str) and value != ALL_BUT_LAST:
+            raise ValueError(f"{value!r} is neither {ALL_BUT_LAST!r} nor a list of parameter names")
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list shares nothing; leave shared_layers out")
+        return value
+
+
+ALL_BUT_LAST = "all_but_last"
+
+
+def shared_columns(
+    spec: str | list[str] | None, layout: ParamLayout, who: str
+) -> torch.Tensor | None:
+    """The row positions of the layers the K cluster models share (``shared_layers``).
+
+    ``all_but_last``: every parameter and float buffer outside the last module
+    holding parameters (IFCA's CIFAR setting); a list: those names
+    (``ParamLayout.slots``/``buffer_slots``). A
+    :class:`~fedcluster.errors.ConfigError` (prefixed ``who``) for an unknown
+    name, or a choice that shares nothing or every parameter.
+    """
+    if spec is None:
+        return None
+    field = f"{who}.shared_layers"
+    slots = layout.slots + layout.buffer_slots
+    if spec == ALL_BUT_LAST:
+        last = layout.last_module()
+        names = [s.name for s in slots if s.name.rpartition(".")[0] != last]
+        if not names:
+            raise ConfigError(f"{field}: {spec!r} shares nothing: the model has only one layer")
+    else:
+        known = [s.name for s in slots]
+        unknown = [n for n in spec if n not in known]
+        if unknown:
+            raise ConfigError(
+                f"{field}: unknown parameter {unknown[0]!r}; the model's are {', '.join(known)}"
+            )
+        names = list(spec)
+    if {s.name for s in layout.slots} <= set(names):
+        raise ConfigError(
+            f"{field}: {spec!r} shares every parameter, which makes the K models one; "
+            "keep at least the last layer per cluster"
+        )
+    return layout.columns(names)
 
 
 @dataclass(frozen=True)
@@ -113,6 +182,22 @@ class ClusterModelAlgorithm(Algorithm):
     cluster_count = "n_clusters"
     StateType = ClusterModelState
 
+    def __init__(self, params: ClusterModelParams, ctx: Context) -> None:
+        super().__init__(params, ctx)
+        self.shared = shared_columns(params.shared_layers, ctx.layout, self.name)
+        """The columns the K models share (``shared_layers``), or None."""
+
+    def tie(self, models: torch.Tensor) -> torch.Tensor:
+        """``models`` [K, d] with the shared columns set to the first model's (in place)."""
+        if self.shared is not None:
+            models[:, self.shared] = models[0, self.shared]
+        return models
+
+    def tied(self, payload: Payload) -> dict[str, torch.Tensor]:
+        """Each [K, d] tensor of ``payload`` with the shared columns, for
+        :attr:`Request.tied` (sent once); empty without sharing."""
+        return {} if self.shared is None else dict.fromkeys(payload, self.shared)
+
     def init_state(self) -> ClusterModelState:
         k = self.params.n_clusters
         n = self.ctx.n_clients
@@ -125,14 +210,14 @@ class ClusterModelAlgorithm(Algorithm):
         ctx = self.ctx
         if p.init == "same":
             return ctx.init_row.unsqueeze(0).repeat(p.n_clusters, 1)
-        models = ctx.fresh_rows(p.n_clusters, "cluster-init/0")
+        models = self.tie(ctx.fresh_rows(p.n_clusters, "cluster-init/0"))
         if p.min_cluster_share <= 0.0:
             return models
         clients = np.flatnonzero(ctx.present)
         need = int(np.ceil(p.min_cluster_share * len(clients)))
         for attempt in range(p.max_redraws):
             if attempt:
-                models = ctx.fresh_rows(p.n_clusters, f"cluster-init/{attempt}")
+                models = self.tie(ctx.fresh_rows(p.n_clusters, f"cluster-init/{attempt}"))
             loss = self.model_losses(models, clients, 0, "init", measurement=True)["losses"]
             counts = np.bincount(loss.argmin(dim=1).numpy(), minlength=p.n_clusters)
             if counts.min() >= need:
@@ -160,14 +245,16 @@ class ClusterModelAlgorithm(Algorithm):
     ) -> Replies:
         """The decision query: each client's loss of the K ``models`` [n, K]
         (:data:`~fedcluster.engine.client_computations.LOSSES`)."""
+        shared = {"models": models}
         request = Request(
-            shared={"models": models},
+            shared=shared,
             settings={
                 "train": self.ctx.train,
                 "round": rnd,
                 "purpose": purpose,
                 "batches": batches,
             },
+            tied=self.tied(shared),
         )
         return self.ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
 
@@ -196,8 +283,9 @@ class ClusterModelAlgorithm(Algorithm):
         own = None
         if pins is not None and (pins >= 0).any():
             own = tuple({"pin": int(k)} if k >= 0 else {} for k in pins)
+        shared = {"models": state.models, **shared}
         request = Request(
-            shared={"models": state.models, **shared},
+            shared=shared,
             settings={
                 "train": ctx.train,
                 "round": rnd,
@@ -205,6 +293,7 @@ class ClusterModelAlgorithm(Algorithm):
                 **rule,
             },
             own_settings=own,
+            tied=self.tied(shared),
         )
         ints = self.upload_ints() - 1  # the cluster id travels in the reply
         return ctx.ask(computation, selected, request, rnd, metadata_ints=ints)
@@ -229,7 +318,9 @@ class ClusterModelAlgorithm(Algorithm):
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
         old = state.models
-        new = cluster_average(ex.rows, choice, state.models, weights, ctx.aggregate)
+        new = cluster_average(
+            ex.rows, choice, state.models, weights, ctx.aggregate, shared=self.shared
+        )
         state.delta = new - state.models
         state.models = new
         state.assign[ex.clients] = choice
@@ -263,6 +354,9 @@ class ClusterModelAlgorithm(Algorithm):
         )
         if fixed is None:
             return
+        if self.shared is not None:  # the halves' averages keep the averaged shared layers
+            fixed.models[:, self.shared] = state.models[0, self.shared]
+            fixed.delta[:, self.shared] = state.delta[0, self.shared]
         state.models, state.delta = fixed.models, fixed.delta
         state.assign[ex.clients] = fixed.choice
         state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)

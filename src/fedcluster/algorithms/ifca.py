@@ -9,7 +9,9 @@ the server averages per cluster, weighted by sample count. IFCA is JGL with
 initializer" (see :mod:`fedcluster.algorithms.cluster_models`).
 ``choice_on_device`` makes the choice and the training one message, as Alg. 1
 has the client do both (:data:`fedcluster.algorithms.jgl.CHOOSE_AND_TRAIN`
-with the loss rule; ties broken on the device).
+with the loss rule; ties broken on the device). ``shared_layers`` is the
+paper's weight sharing (Sec. 5; its CIFAR experiments share all layers but the
+last): :mod:`fedcluster.algorithms.cluster_models`.
 """
 
 from __future__ import annotations

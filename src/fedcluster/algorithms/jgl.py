@@ -42,6 +42,9 @@ No reading reproduces the paper's "99% fewer iterations to 0.9 purity";
 cluster repair (:mod:`fedcluster.algorithms.repair`) is what separates merged
 groups reliably.
 
+``shared_layers`` shares layers across the K models as IFCA's weight sharing
+does (:mod:`fedcluster.algorithms.cluster_models`); beyond JGL's paper.
+
 Both similarities need only ‖∇L_{i,k}‖² and ⟨∇L_{i,k}, Δw_k⟩, which the
 simulator computes without forming the K gradients of d floats per device
 (:meth:`~fedcluster.engine.simulator.Simulator.losses_and_gradient_products`).
@@ -314,9 +317,11 @@ class JGL(ClusterModelAlgorithm):
         p = self.params
         ctx = self.ctx
         delta = ctx.parameter_part(state.delta)  # eq. 3 compares gradients: parameters only
+        shared = {"models": state.models, "directions": delta}
         request = Request(
-            shared={"models": state.models, "directions": delta},
+            shared=shared,
             settings={"train": ctx.train, "round": rnd, "purpose": "decide"},
+            tied=self.tied(shared),
         )
         replies = ctx.ask(GRADIENT_PRODUCTS, selected, request, rnd)
         selected = replies.clients

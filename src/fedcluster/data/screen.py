@@ -54,22 +54,30 @@ def find_bad_clients(federation: Federation) -> dict[int, str]:
     for split, x, y, offsets in splits:
         for c in np.flatnonzero(np.diff(offsets) == 0):
             problems.setdefault(int(c), []).append(f"no {split} samples")
-        flat = x.reshape(len(x), -1)
-        if flat.is_floating_point():
-            for c in clients_with(~torch.isfinite(flat).all(dim=1), offsets):
-                problems.setdefault(int(c), []).append(f"non-finite {split} inputs (NaN or Inf)")
-            huge = torch.isfinite(flat).all(dim=1) & (flat.abs() > MAX_INPUT).any(dim=1)
-            for c in clients_with(huge, offsets):
-                problems.setdefault(int(c), []).append(f"{split} inputs beyond ±{MAX_INPUT:g}")
-        else:
-            for c in clients_with((flat < 0).any(dim=1), offsets):
-                problems.setdefault(int(c), []).append(f"negative {split} token ids")
-        outside = (y < 0) | (y >= federation.n_classes)
-        for c in clients_with(outside, offsets):
-            problems.setdefault(int(c), []).append(
-                f"{split} labels outside 0..{federation.n_classes - 1}"
-            )
+        for what, rows in bad_samples(x, y, federation.n_classes, split):
+            for c in clients_with(rows, offsets):
+                problems.setdefault(int(c), []).append(what)
     return {c: ", ".join(why) for c, why in sorted(problems.items())}
+
+
+def bad_samples(
+    x: torch.Tensor, y: torch.Tensor | None, n_classes: int, split: str
+) -> list[tuple[str, torch.Tensor]]:
+    """What can be wrong with samples ``x`` [N, ...] and labels ``y`` [N] (None: no labels)
+    of one ``split``, each with its mask over the samples: non-finite or huge float
+    inputs, negative token ids, labels outside ``0..n_classes-1``."""
+    flat = x.reshape(len(x), -1)
+    if flat.is_floating_point():
+        finite = torch.isfinite(flat).all(dim=1)
+        found = [
+            (f"non-finite {split} inputs (NaN or Inf)", ~finite),
+            (f"{split} inputs beyond ±{MAX_INPUT:g}", finite & (flat.abs() > MAX_INPUT).any(dim=1)),
+        ]
+    else:
+        found = [(f"negative {split} token ids", (flat < 0).any(dim=1))]
+    if y is not None:
+        found.append((f"{split} labels outside 0..{n_classes - 1}", (y < 0) | (y >= n_classes)))
+    return found
 
 
 def screen_clients(federation: Federation, policy: BadClients) -> Federation:

@@ -72,6 +72,10 @@ class Request:
     pick: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     """``{name: (shared field, own index field)}``: client i receives only row
     ``shared[field][own[index][i]]`` as ``name`` (e.g. the model it is evaluated with)."""
+    tied: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """``{shared field: columns}``: the columns (row positions) of a shared ``[K, d]``
+    field that hold the same values in all K rows (IFCA's weight sharing: the layers
+    the cluster models share), sent once instead of K times."""
 
     def client(self, i: int) -> Request:
         """Client ``i``'s self-contained part: its own rows (leading dimension 1),
@@ -112,11 +116,26 @@ class Request:
         sources = {source for source, _ in self.pick.values()}
         indexes = {index for _, index in self.pick.values()}  # the server's, not sent
         sent = {k: v for k, v in self.shared.items() if k not in sources}
-        total = sum(_nbytes(v) for k, v in sent.items() if k not in self.held)
+        total = sum(_nbytes(v) - self._tied_bytes(k) for k, v in sent.items() if k not in self.held)
         own = {k: v for k, v in self.own.items() if k not in self.held and k not in indexes}
         rows = sum(_nbytes(v[0]) for v in own.values() if len(v))
         picked = sum(_nbytes(self.shared[source][0]) for source, _ in self.pick.values())
         return total + rows + picked
+
+    def _tied_bytes(self, name: str) -> int:
+        """What sending the tied columns of ``shared[name]`` once saves: K − 1 copies.
+
+        The columns must hold one value per column (NaN equal to NaN), or the
+        count would not be the payload's: a ``ValueError`` otherwise.
+        """
+        columns = self.tied.get(name)
+        if columns is None:
+            return 0
+        part = self.shared[name][:, columns]
+        first = part[:1]
+        if not ((part == first) | (part.isnan() & first.isnan())).all():
+            raise ValueError(f"request field {name!r}: its tied columns differ between rows")
+        return (len(part) - 1) * _nbytes(first)
 
 
 def _nbytes(t: torch.Tensor) -> int:

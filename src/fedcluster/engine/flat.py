@@ -96,6 +96,11 @@ class ParamLayout:
             s for s in self.slots + self.buffer_slots if s.name.rpartition(".")[0] in norms
         )
 
+    def last_module(self) -> str:
+        """The name of the last module holding parameters (the classifier; ``""``: the
+        model itself)."""
+        return self.slots[-1].name.rpartition(".")[0]
+
     def classifier_range(self) -> slice:
         """The row range of the last linear layer (weight and bias): the classifier.
 
@@ -103,9 +108,16 @@ class ParamLayout:
         gradients). It is the trailing run of parameters that belong to the
         last module holding parameters.
         """
-        last_prefix = self.slots[-1].name.rpartition(".")[0]
-        first = next(s for s in self.slots if s.name.rpartition(".")[0] == last_prefix)
+        last = self.last_module()
+        first = next(s for s in self.slots if s.name.rpartition(".")[0] == last)
         return slice(first.start, self.param_dim)
+
+    def columns(self, names: Iterable[str]) -> torch.Tensor:
+        """The row positions (ascending, int64) of the named parameters and float buffers."""
+        wanted = set(names)
+        slots = self.slots + self.buffer_slots
+        ranges = [torch.arange(s.start, s.stop) for s in slots if s.name in wanted]
+        return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
 
 
 def _float_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -5,7 +5,8 @@ quality (purity as in JGL Sec. III-A-3, ARI, cluster count) and assignment
 heatmaps only when some algorithm clusters, ε only when local DP was on
 (:mod:`fedcluster.privacy`), the events timeline only when ``events.csv`` has
 rows (a dynamic federation, :mod:`fedcluster.scenario`), algorithm diagnostics
-only when ``diagnostics.csv`` has rows. The writers
+only when ``diagnostics.csv`` has rows, the test-time cluster choices only when
+``assign.csv`` has rows (:mod:`fedcluster.cluster_choice`). The writers
 (:mod:`fedcluster.reporting.writers`) render the same sections as HTML and
 Markdown.
 """
@@ -106,6 +107,21 @@ def build_sections(runs: list[RunData]) -> list[Section]:
         if key == "select-k":
             section.tables = [(r.name, _k_curves(r)) for r in runs if r.select_k]
         out.append(section)
+    if any(r.assign for r in runs):
+        from fedcluster.cluster_choice import summarise  # imports torch: only when needed
+
+        choices = [(r.name if len(runs) > 1 else "", summarise(r.assign)) for r in runs if r.assign]
+        out.append(
+            Section(
+                "assign",
+                "Cluster choice for held-out devices",
+                "fedcluster assign --record: per algorithm and true group of the devices, the "
+                "mean accuracy of the cluster model each rule chose (entropy, confidence: "
+                "without labels; loss: with labels), and how often a label-free rule chose the "
+                "labelled rule's model (fedcluster.cluster_choice).",
+                tables=choices,
+            )
+        )
     for run in runs:
         title = "Configuration" + ("" if len(runs) == 1 else f": {run.name}")
         key = "config" if len(runs) == 1 else f"config-{len(out)}"
