@@ -5,8 +5,9 @@ Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
 (client -> cluster per round, with the true group; −1 for a client not
 present), ``events.csv`` (per job and round: faulty clients, joins,
 departures, drift, failures and rejections, each with client and detail),
-``diagnostics.csv`` (an algorithm's per-round scalars), ``summary.json`` /
-``summary.md`` and ``checkpoints/``. Each file is written by one callback
+``diagnostics.csv`` (an algorithm's per-round scalars), ``select_k.csv`` (the
+criterion per K of ``n_clusters: auto`` jobs), ``summary.json`` / ``summary.md``
+and ``checkpoints/``. Each file is written by one callback
 (:mod:`fedcluster.callbacks`), so the runner's loop does none of it.
 Checkpoints are written atomically every ``checkpoint_every`` rounds.
 """
@@ -43,6 +44,7 @@ from fedcluster.report import format_table, summary_rows
 CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
 EVENT_COLUMNS = ["algorithm", "seed", "round", "client", "kind", "detail"]
 DIAGNOSTIC_COLUMNS = ["algorithm", "seed", "round", "name", "value"]
+SELECT_K_COLUMNS = ["algorithm", "seed", "parameter", "criterion", "k", "value", "chosen"]
 
 
 @dataclass
@@ -71,6 +73,7 @@ class RunDirectory:
         self.events = self.path / "events.csv"
         self.checkpoints = self.path / "checkpoints"
         self.artifacts = self.path / "artifacts"
+        self.select_k = self.path / "select_k.csv"
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -219,6 +222,28 @@ class RunDirectory:
         for path in (self.metrics, self.clusters, self.diagnostics, self.events):
             self._rewrite(path, lambda r: True, order)
 
+    def save_k_curve(
+        self, label: str, seed: int, parameter: str, curve: dict[int, float], chosen: int
+    ) -> None:
+        """A job's ``n_clusters: auto`` choice: one ``select_k.csv`` row per K of the range
+        (the silhouette, ``chosen`` 1 on the chosen K), replacing the job's earlier rows."""
+        kept = []
+        if self.select_k.exists():
+            kept = [r for r in _read_rows(self.select_k) if (r[0], r[1]) != (label, str(seed))]
+        mine = [
+            [label, str(seed), parameter, "silhouette", str(k), repr(v), str(int(k == chosen))]
+            for k, v in sorted(curve.items())
+        ]
+        safefiles.write_atomic(self.select_k, _csv_text([SELECT_K_COLUMNS, *kept, *mine]))
+
+    def chosen_k(self, label: str, seed: int) -> int | None:
+        """The K ``select_k.csv`` records as chosen for the job (``None``: no such row)."""
+        if not self.select_k.exists():
+            return None
+        rows = _read_rows(self.select_k)
+        chosen = [r[4] for r in rows if (r[0], r[1], r[6]) == (label, str(seed), "1")]
+        return int(chosen[0]) if len(chosen) == 1 and chosen[0].isdigit() else None
+
     def save_artifacts(self, label: str, seed: int, arrays: dict[str, np.ndarray]) -> None:
         """Arrays an algorithm keeps at the end of a job, as ``artifacts/<label>-seed<s>.npz``."""
         if not arrays:
@@ -234,6 +259,12 @@ def _csv_text(rows: list[list[str]]) -> str:
     buffer = io.StringIO(newline="")
     csv.writer(buffer).writerows(rows)
     return buffer.getvalue()
+
+
+def _read_rows(path: Path) -> list[list[str]]:
+    """A table's rows below its header; rows of the wrong width are dropped."""
+    rows = list(csv.reader(io.StringIO(_read_text(path), newline="")))
+    return [r for r in rows[1:] if len(r) == len(rows[0])] if rows else []
 
 
 def _read_text(path: Path) -> str:

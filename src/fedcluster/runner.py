@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from fedcluster.algorithms import Context, algorithm_class, algorithm_params, check_algorithms
-from fedcluster.algorithms.base import Algorithm, State, init_row
+from fedcluster.algorithms.base import Algorithm, State, auto_k, init_row
 from fedcluster.algorithms.channel import UpdateBound
+from fedcluster.algorithms.select_k import select_k
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.central_dp import CentralDP
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
@@ -340,7 +341,11 @@ class Job:
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)
-        self.algorithm: Algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
+        self.spec, self.ctx = spec, ctx
+        self.auto = auto_k(spec)  # n_clusters: auto: the algorithm is built once K is chosen
+        self.algorithm: Algorithm
+        if self.auto is None:
+            self._build(None)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self._keep_traffic = False  # init_state's traffic, kept for the first round
         self.info.groups = federation.groups
@@ -349,6 +354,9 @@ class Job:
         self, rundir: RunDirectory, resume: bool, last: int, callbacks: list[Callback]
     ) -> JobResult:
         info = self.info
+        resumed = resume and rundir.checkpoint_path(info.label, info.seed).exists()
+        if self.auto is not None and not resumed:
+            self._choose_k(rundir)  # a resumed job's K is read back with its checkpoint
         state = self._restore(rundir) if resume else None
         for event in self.scenario.drifts_through(info.first_round - 1):  # data at the checkpoint
             self._drift(event)
@@ -381,13 +389,37 @@ class Job:
             callback.on_job_end(info, result)
         return result
 
+    def _build(self, k: int | None) -> None:
+        """The job's algorithm; ``k`` replaces an ``auto`` number of clusters."""
+        self.algorithm = algorithm_class(self.spec.name)(algorithm_params(self.spec, k=k), self.ctx)
+
+    def _choose_k(self, rundir: RunDirectory) -> None:
+        """Build the algorithm with the K a warm-up chooses (:mod:`fedcluster.algorithms.select_k`);
+        the warm-up's traffic counts in round 1 and its curve goes to ``select_k.csv``."""
+        assert self.auto is not None
+        label, seed = self.info.label, self.info.seed
+        self.channel.set_masks(*self.scenario.masks(1))
+        k, curve = select_k(self.ctx, self.auto, np.flatnonzero(self.channel.available))
+        rundir.save_k_curve(label, seed, self.auto.field, curve, k)
+        log.info("%s seed %d: %s = %d (silhouette %s)", label, seed, self.auto.field, k, curve)
+        self._build(k)
+
     def checkpointed(self, rundir: RunDirectory) -> tuple[Checkpoint, State] | None:
         """The job's checkpoint in ``rundir`` and the server state it holds, checked
-        against the run's config (None: the job has no checkpoint)."""
+        against the run's config (None: the job has no checkpoint). An ``auto`` job's
+        algorithm is built with the K ``select_k.csv`` records."""
         info = self.info
         path = rundir.checkpoint_path(info.label, info.seed)
         if not path.exists():
             return None
+        if self.auto is not None:
+            k = rundir.chosen_k(info.label, info.seed)
+            if k is None:
+                raise FedclusterError(
+                    f"{rundir.select_k}: no chosen K for {info.label} seed {info.seed} "
+                    f"({self.auto.field}: auto); its checkpoint {path.name} needs it"
+                )
+            self._build(k)
         ckpt = load_checkpoint(path)
         ckpt.check(path, info.label, info.seed, self.config)
         try:

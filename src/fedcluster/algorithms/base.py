@@ -32,6 +32,7 @@ from torch import nn
 
 from fedcluster.algorithms.channel import Channel, Replies, UpdateBound
 from fedcluster.algorithms.evaluation import own_loss_evaluate
+from fedcluster.algorithms.select_k import AutoK, parse_auto
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, describe_error
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
@@ -356,6 +357,9 @@ class Algorithm(ABC):
     per_client_models: ClassVar[bool] = False
     """Whether each client holds a model of its own (then tested with it whatever
     ``ctx.model_choice`` says)."""
+    cluster_count: ClassVar[str | None] = None
+    """The parameter that holds the number of clusters K, which may then be ``auto``
+    (:mod:`fedcluster.algorithms.select_k`); ``None``: the algorithm has none."""
     """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
 
     def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
@@ -422,12 +426,25 @@ def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm]:
     return cls
 
 
-def algorithm_params(spec: AlgorithmSpec, index: int = 0) -> AlgorithmParams:
-    """The validated parameters of config entry ``algorithms.<index>``; a
-    :class:`~fedcluster.errors.ConfigError` names the unknown algorithm or the bad field."""
+def auto_k(spec: AlgorithmSpec, index: int = 0) -> AutoK | None:
+    """The entry's request to choose its number of clusters (``n_clusters: auto``), or ``None``."""
     cls = algorithm_class(spec.name, f"algorithms.{index}")
+    return parse_auto(spec.name, cls.cluster_count, spec.params, f"algorithms.{index}.params")[1]
+
+
+def algorithm_params(spec: AlgorithmSpec, index: int = 0, k: int | None = None) -> AlgorithmParams:
+    """The validated parameters of config entry ``algorithms.<index>``; a
+    :class:`~fedcluster.errors.ConfigError` names the unknown algorithm or the bad field.
+
+    An ``auto`` number of clusters is replaced by ``k`` (before it is chosen: the
+    algorithm's default; :mod:`fedcluster.algorithms.select_k`)."""
+    cls = algorithm_class(spec.name, f"algorithms.{index}")
+    where = f"algorithms.{index}.params"
+    params, auto = parse_auto(spec.name, cls.cluster_count, spec.params, where)
+    if auto is not None and k is not None:
+        params[auto.field] = k
     try:
-        return cls.Params(**spec.params)
+        return cls.Params(**params)
     except ValidationError as exc:
         fields = "; ".join(describe_error(e, f"algorithms.{index}.params") for e in exc.errors())
         raise ConfigError(f"invalid config: {spec.name} {fields}") from None

@@ -58,6 +58,7 @@ from fedcluster.algorithms.base import (
 )
 from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
+from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.computation import ClientComputation, Payload, Request, Settings
 from fedcluster.engine.flat import ParamLayout
@@ -66,7 +67,7 @@ from fedcluster.rng import derive_seed, numpy_rng
 
 
 class ClusterModelParams(AlgorithmParams):
-    n_clusters: int = Field(4, ge=1, description="number of cluster models K")
+    n_clusters: int = Field(4, ge=1, description="number of cluster models K" + AUTO_HELP)
     init: Literal["random", "same"] = Field(
         "random", description="independent random initial models, or K copies of one"
     )
@@ -178,6 +179,7 @@ class ClusterModelAlgorithm(Algorithm):
     """Base class: K cluster models, client-side choice, per-cluster averaging."""
 
     Params = ClusterModelParams
+    cluster_count = "n_clusters"
     StateType = ClusterModelState
 
     def __init__(self, params: ClusterModelParams, ctx: Context) -> None:

@@ -53,6 +53,7 @@ from fedcluster.algorithms.mixture import (
     single_threaded,
     weighted_sgd,
 )
+from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import EVALUATE
 from fedcluster.engine.computation import (
     ClientComputation,
@@ -160,7 +161,9 @@ EVALUATE_MIXTURE = register_computation(
 
 
 class FedEMParams(AlgorithmParams):
-    n_components: int = Field(3, ge=1, description="number of shared components M (paper: 3)")
+    n_components: int = Field(
+        3, ge=1, description="number of shared components M (paper: 3)" + AUTO_HELP
+    )
 
 
 @dataclass
@@ -178,6 +181,7 @@ class FedEM(Algorithm):
 
     name = "fedem"
     Params = FedEMParams
+    cluster_count = "n_components"
     StateType = FedEMState
     per_client_models = True
     params: FedEMParams

@@ -76,6 +76,7 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.clustering.distances import cosine_to, madc_matrix, svd_directions
 from fedcluster.clustering.methods import hierarchical, kmeans_pp
 from fedcluster.errors import ConfigError
@@ -98,7 +99,9 @@ class FedGroupState(State):
 
 
 class FedGroupParams(AlgorithmParams):
-    n_groups: int = Field(3, ge=1, description="number of groups m (paper: MNIST 3, others 5)")
+    n_groups: int = Field(
+        3, ge=1, description="number of groups m (paper: MNIST 3, others 5)" + AUTO_HELP
+    )
     pretrain_scale: int = Field(
         20, ge=1, description="α: α·m random clients pre-train for the group cold start"
     )
@@ -144,6 +147,7 @@ class FedGroup(Algorithm):
 
     name = "fedgroup"
     Params = FedGroupParams
+    cluster_count = "n_groups"
     StateType = FedGroupState
 
     def init_state(self) -> FedGroupState:

@@ -54,6 +54,7 @@ from fedcluster.algorithms.mixture import (
     single_threaded,
     weighted_sgd,
 )
+from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import n_models
 from fedcluster.engine.computation import (
     ClientComputation,
@@ -127,7 +128,7 @@ then proximal local training of the client's own model; uploads both."""
 
 
 class FedSoftParams(AlgorithmParams):
-    n_clusters: int = Field(4, ge=1, description="number of cluster models S")
+    n_clusters: int = Field(4, ge=1, description="number of cluster models S" + AUTO_HELP)
     lam: float = Field(
         0.1, ge=0.0, description="λ: weight of the proximal term toward the cluster models"
     )
@@ -153,6 +154,7 @@ class FedSoft(Algorithm):
 
     name = "fedsoft"
     Params = FedSoftParams
+    cluster_count = "n_clusters"
     StateType = FedSoftState
     params: FedSoftParams
 

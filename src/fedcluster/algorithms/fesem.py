@@ -63,13 +63,16 @@ from pydantic import Field
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
+from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.clustering.distances import euclidean_distance_matrix
 from fedcluster.errors import ConfigError
 from fedcluster.rng import numpy_rng
 
 
 class FeSEMParams(AlgorithmParams):
-    n_clusters: int = Field(5, ge=1, description="number of centres K (CFLGT scenario 1: 5)")
+    n_clusters: int = Field(
+        5, ge=1, description="number of centres K (CFLGT scenario 1: 5)" + AUTO_HELP
+    )
     init: Literal["clients", "random"] = Field(
         "clients",
         description="centres: k-means++ seeds among the first round's local models, "
@@ -123,6 +126,7 @@ class FeSEM(Algorithm):
 
     name = "fesem"
     Params = FeSEMParams
+    cluster_count = "n_clusters"
     StateType = FeSEMState
 
     def init_state(self) -> FeSEMState:

@@ -84,6 +84,14 @@ def build_sections(runs: list[RunData]) -> list[Section]:
             "the server rejected.",
         ),
         (
+            "select-k",
+            "Choosing K",
+            figures.select_k(items),
+            "n_clusters: auto: the mean silhouette of k-means on the clients' warm-up updates "
+            "for each K of the range (select_k.csv); the largest is chosen (ringed). "
+            "docs/clustering.md describes the criterion.",
+        ),
+        (
             "diagnostics",
             "Algorithm diagnostics",
             figures.diagnostics(items),
@@ -96,6 +104,8 @@ def build_sections(runs: list[RunData]) -> list[Section]:
         section = Section(key, title, text, figures.png(fig))
         if key == "events":
             section.tables = [(r.name, _event_counts(r)) for r in runs if r.events]
+        if key == "select-k":
+            section.tables = [(r.name, _k_curves(r)) for r in runs if r.select_k]
         out.append(section)
     if any(r.assign for r in runs):
         from fedcluster.cluster_choice import summarise  # imports torch: only when needed
@@ -148,3 +158,20 @@ def _event_counts(run: RunData) -> list[dict[str, str]]:
         {"algorithm": alg, "seed": seed, **{k: str(c[k]) for k in kinds}}
         for (alg, seed), c in counts.items()
     ]
+
+
+def _k_curves(run: RunData) -> list[dict[str, str]]:
+    """One row per ``n_clusters: auto`` job: the chosen K and the criterion at each K."""
+    jobs: dict[tuple[str, str], list[dict[str, str]]] = {}
+    for r in run.select_k:
+        jobs.setdefault((r["algorithm"], r["seed"]), []).append(r)
+    ks = sorted({int(r["k"]) for r in run.select_k})
+    out = []
+    for (alg, seed), job in jobs.items():
+        value = {int(r["k"]): float(r["value"]) for r in job}
+        chosen = [r["k"] for r in job if r["chosen"] == "1"]
+        row = {"algorithm": alg, "seed": seed, "parameter": job[0]["parameter"]}
+        row["chosen K"] = chosen[0] if chosen else "-"
+        row.update({f"K={k}": f"{value[k]:.3f}" if k in value else "-" for k in ks})
+        out.append(row)
+    return out

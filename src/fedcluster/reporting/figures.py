@@ -330,3 +330,27 @@ def diagnostics(items: list[Entry]) -> Figure | None:
         ax.grid(alpha=0.3)
     _legend(fig, axes)
     return fig
+
+
+def select_k(items: list[Entry]) -> Figure | None:
+    """The criterion against K of each ``n_clusters: auto`` job (``select_k.csv``), one line
+    per seed; a ring marks the chosen K."""
+    rows = [(e, r) for e in items for r in e.run.select_k if r["algorithm"] == e.label]
+    if not rows:
+        return None
+    fig, ax = _subplots(figsize=(5.5, 3.4))
+    jobs: dict[tuple[str, str], tuple[Entry, list[dict[str, str]]]] = {}
+    for e, r in rows:
+        jobs.setdefault((e.name, r["seed"]), (e, []))[1].append(r)
+    for (_, seed), (e, job) in jobs.items():
+        k = np.array([int(r["k"]) for r in job])
+        v = np.array([float(r["value"]) for r in job])
+        ax.plot(k, v, color=e.color, marker=".", lw=1.2, label=f"{e.name} seed {seed}")
+        chosen = np.array([r["chosen"] == "1" for r in job])
+        ax.plot(k[chosen], v[chosen], "o", mfc="none", ms=10, color=e.color)
+    ax.set_xlabel("number of clusters K")
+    ax.set_ylabel(rows[0][1]["criterion"])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig

@@ -1,8 +1,8 @@
 """Reading a run directory back for the report (DESIGN "Run directory").
 
 Only the files a run writes are read (``config.yaml``, ``metrics.csv``,
-``clusters.csv``, ``events.csv``, ``diagnostics.csv``, ``summary.json``, and
-``assign.csv`` where ``fedcluster assign --record`` wrote one; see
+``clusters.csv``, ``events.csv``, ``diagnostics.csv``, ``select_k.csv``, ``summary.json``,
+and ``assign.csv`` where ``fedcluster assign --record`` wrote one; see
 :class:`fedcluster.runner.RunDirectory` and :mod:`fedcluster.metrics` for the
 columns), so a report can be made of a run copied from another machine,
 without its data or the package version that wrote it.
@@ -55,6 +55,8 @@ class RunData:
     events: list[dict[str, str]] = field(default_factory=list)
     diagnostics: dict[tuple[str, int, str], Series] = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
+    select_k: list[dict[str, str]] = field(default_factory=list)
+    """``select_k.csv``: the criterion per K of each ``n_clusters: auto`` job."""
     assign: list[dict[str, str]] = field(default_factory=list)
     """``assign.csv``: test-time cluster choices recorded by ``fedcluster assign --record``."""
 
@@ -154,6 +156,7 @@ def _load_run(path: Path) -> RunData:
         events=_read_csv(path / "events.csv"),
         diagnostics=_diagnostics(_read_csv(path / "diagnostics.csv")),
         summary=summary,
+        select_k=_read_csv(path / "select_k.csv"),
         assign=_read_csv(path / "assign.csv"),
     )
 
