@@ -76,7 +76,8 @@ def gradient_trajectories(
     pushing force Z2'_c, computed on the client's whole training set with a
     forward pass only (the module in ``eval()``; under FedBN each client with its
     own BatchNorm layers); divided by the client's sample count if ``normalise``.
-    Accumulated in float64, returned as float32 (what is uploaded).
+    Accumulated in float64 on the CPU (the model row moved to the data's device for
+    the forward pass), returned as float32 (what is uploaded).
     """
     clients = np.asarray(clients, dtype=np.int64)
     fed = sim.federation
@@ -97,12 +98,14 @@ def gradient_trajectories(
                 for s in range(0, len(rows), chunk_size):
                     part = rows[s : s + chunk_size]
                     captured.clear()
-                    prob = sim.layout.forward(model, fed.x_train[part]).double().softmax(dim=1)
+                    x = fed.x_train[part]
+                    prob = sim.layout.forward(model.to(x.device), x).double().softmax(dim=1)
                     feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
                     own = nn.functional.one_hot(fed.y_train[part], n_classes).to(torch.float64)
                     pull = own * (1.0 - prob) * feature_mean
                     push = (1.0 - own) * prob * feature_mean
-                    out.index_add_(0, owner[s : s + chunk_size], torch.stack([pull, push], dim=2))
+                    forces = torch.stack([pull, push], dim=2).to(out.device)
+                    out.index_add_(0, owner[s : s + chunk_size], forces)
     finally:
         hook.remove()
     if normalise:
