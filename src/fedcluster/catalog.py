@@ -85,6 +85,7 @@ MODELS = {
     "mlp": "fully connected ReLU network, hidden sizes as option (JGL Fig. 3 MLP)",
     "cnn": "conv 32@3x3, conv 64@3x3, maxpool, fc 128 (JGL Fig. 3 CNN)",
     "lenet": "LeNet-like CNN for 32x32 colour images (JGL Fig. 3, CIFAR-10)",
+    "ifca_cnn": "IFCA's CIFAR-10 CNN (TensorFlow tutorial model; Ghosh et al. 2020 code)",
     "mclr": "multinomial logistic regression (FedGroup Sec. V, FedProx)",
     "dnn": "2-layer DNN, one hidden layer of 200 ReLU units (CFLGT Sec. V-A)",
     "lstm": "embedding + 2-layer LSTM + linear for Sent140 (FedProx / FedGroup Table II)",

@@ -45,11 +45,11 @@ def cluster_average(
     if type(aggregate) is Aggregator and aggregate.rule == "mean":  # the mean needs no start
         names, means = group_averages(rows, labels, w)
         out[torch.as_tensor(names)] = means
-        return out
-    for c in np.unique(labels):
-        members = torch.as_tensor(labels == c)
-        base = previous[int(c)] if start is None else start[members]
-        out[int(c)] = aggregate(base, rows[members], w[members])
+    else:
+        for c in np.unique(labels):
+            members = torch.as_tensor(labels == c)
+            base = previous[int(c)] if start is None else start[members]
+            out[int(c)] = aggregate(base, rows[members], w[members])
     if shared is not None and len(labels):
         base = previous[0, shared] if start is None else start[:, shared]
         out[:, shared] = aggregate(base, rows[:, shared], w)
