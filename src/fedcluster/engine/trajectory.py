@@ -76,8 +76,8 @@ def gradient_trajectories(
     pushing force Z2'_c, computed on the client's whole training set with a
     forward pass only (the module in ``eval()``; under FedBN each client with its
     own BatchNorm layers); divided by the client's sample count if ``normalise``.
-    Accumulated in float64 on the CPU (the model row moved to the data's device for
-    the forward pass), returned as float32 (what is uploaded).
+    Accumulated in float64 on the CPU (the model row moved once to the data's
+    device for the forward passes), returned as float32 (what is uploaded).
     """
     clients = np.asarray(clients, dtype=np.int64)
     fed = sim.federation
@@ -85,9 +85,9 @@ def gradient_trajectories(
     n_classes = head.out_features
     out = torch.zeros(len(clients), n_classes, 2, dtype=torch.float64)
     if sim.keeps_own_layers:  # FedBN: each client with its own BatchNorm layers
-        units = [(sim.personal(row, c), [i]) for i, c in enumerate(clients)]
+        units = [(sim.personal(row, c).to(sim.device), [i]) for i, c in enumerate(clients)]
     else:
-        units = [(row, list(range(len(clients))))]
+        units = [(row.to(sim.device), list(range(len(clients))))]
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
     try:
@@ -98,8 +98,7 @@ def gradient_trajectories(
                 for s in range(0, len(rows), chunk_size):
                     part = rows[s : s + chunk_size]
                     captured.clear()
-                    x = fed.x_train[part]
-                    prob = sim.layout.forward(model.to(x.device), x).double().softmax(dim=1)
+                    prob = sim.layout.forward(model, fed.x_train[part]).double().softmax(dim=1)
                     feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
                     own = nn.functional.one_hot(fed.y_train[part], n_classes).to(torch.float64)
                     pull = own * (1.0 - prob) * feature_mean
