@@ -46,7 +46,7 @@ STATUS=$OUT/status.txt
 jobs() {
   local s a
   # C8: CFLGT Table I, Fashion-MNIST scenario 2, 7 methods x 3 seeds, the paper's 125 rounds
-  # (about 1.2-2 min each; FL+HC's clustering round trains all 100 clients).
+  # (0.55-0.9 s a round: 1.3-1.9 min each; FL+HC's clustering round trains all 100 clients).
   for s in 0 1 2; do
     for a in cflgt ifca flhc fesem fedavg fedavg-ft fedprox; do
       echo "c8-$a-s$s cflgt-fmnist-s2 $s $a 125"
@@ -55,13 +55,13 @@ jobs() {
   # J4: JGL Fig. 4(d)-(f), the CNN at scale 0.1 (about 75 samples per client), 10 of the
   # cell's 15 rounds (JGL about 23 s a round: 4 min; IFCA 13 s: 2.3 min).
   echo "j4-jgl-s0 jgl-fig4-cnn 0 jgl-0.2 10"
+  echo "j4-ifca-s0 jgl-fig4-cnn 0 ifca 10"
   # G12: FedGroup Table III, MNIST-MLP, 10 methods, seed 0, 150 of the paper's 300 rounds
-  # (about 1.2-1.9 s a round: 3-5 min).
+  # (0.9 s a round for FedAvg, 1.5 for FedGrouProx over 20 rounds: 2.3-4 min).
   for a in fedgroup-edc fgp-edc fedprox fgp-madc fedgroup-madc ifca fg-rcc-edc fg-rac-edc \
     fesem fedavg; do
     echo "g12-$a-s0 fedgroup-mnist-mlp 0 $a 150"
   done
-  echo "j4-ifca-s0 jgl-fig4-cnn 0 ifca 10"
   # G24: FedGroup newcomers, 6 methods, seed 0, 200 of 300 rounds (the 900 newcomers have
   # all joined by round 181; about 2 min each).
   for a in fedgroup-edc fedgroup-madc fedgrouprox ifca fesem fedavg; do
@@ -69,8 +69,6 @@ jobs() {
   done
   # D8: DCFL Fig. 4 curves without DP, 60 rounds, DCFL / CFL / FedAvg (1 min per seed).
   for s in 0 1 2; do echo "d8-s$s dcfl-fig4 $s dcfl,cfl,fedavg 60"; done
-  # G11: FGP-MADC on MNIST-MCLR, 300 rounds (about 3 min a seed).
-  for s in 0 1 2; do echo "g11-s$s fedgroup-mnist-fgp-madc $s fgp-madc 300"; done
   # C9-C15, C19: CFLGT Fashion-MNIST scenario 3 (and Table II's FL+HC(10), FL+HC(30)) at
   # the paper's 125 rounds, seeds 1 and 2 (seed 0 ran 75 rounds here); under 1 min each.
   for s in 1 2; do
@@ -79,6 +77,9 @@ jobs() {
     done
     for a in flhc-10 flhc-30; do echo "c19-$a-s$s cflgt-table2-fmnist $s $a 125"; done
   done
+  # G11: FGP-MADC on MNIST-MCLR, 300 rounds (about 3.5 min a seed; last, as the 2-core
+  # machine runs it too).
+  for s in 0 1 2; do echo "g11-s$s fedgroup-mnist-fgp-madc $s fgp-madc 300"; done
   echo "j4-jgl-s1 jgl-fig4-cnn 1 jgl-0.2 10"
   echo "j4-ifca-s1 jgl-fig4-cnn 1 ifca 10"
 }
@@ -122,7 +123,7 @@ worker() {
     fi
     echo "$name: core $core, start at $((SECONDS - T0)) s" >> "$OUT/logs/queue.log"
     # shellcheck disable=SC2086  # extra holds --set arguments split at spaces
-    timeout -s INT -k 10 "$left" taskset -c "$core" $PYTHON -m benchmarks.reproduce "$cell" \
+    timeout -s INT -k 5 "$left" taskset -c "$core" $PYTHON -m benchmarks.reproduce "$cell" \
       --seeds 1 --first-seed "$seed" --algorithms "$algs" --rounds "$rounds" \
       --data-dir "$DATA" --out "$OUT/runs/$name" $extra > "$OUT/logs/$name.log" 2>&1
     echo "$name: core $core, exit $? at $((SECONDS - T0)) s" >> "$OUT/logs/queue.log"
