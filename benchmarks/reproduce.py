@@ -420,6 +420,66 @@ CELLS: dict[str, Cell] = {
 }
 
 
+# The scoreboard's column of each cell's table and its methods in the paper's order
+# (docs/reproduction.md's rows: C8, C9-C15, C19, G11, G12, G18, G24, J4, D8).
+PAPER_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cflgt-fmnist-s2": (
+        ("last-20 acc %",),
+        ("fedavg", "fedavg-ft", "fedprox", "fesem", "flhc", "ifca", "cflgt"),
+    ),
+    "cflgt-fmnist-s3": (
+        ("last-20 acc %",),
+        ("cflgt", "ifca", "flhc", "fesem", "fedavg", "fedavg-ft", "fedprox"),
+    ),
+    "cflgt-table2-fmnist": (("last-20 acc %",), ("flhc-10", "flhc-30")),
+    "fedgroup-mnist-mlp": (
+        ("max acc %",),
+        (
+            "fedavg",
+            "fedprox",
+            "ifca",
+            "fesem",
+            "fg-rcc-edc",
+            "fg-rac-edc",
+            "fedgroup-edc",
+            "fgp-edc",
+            "fedgroup-madc",
+            "fgp-madc",
+        ),
+    ),
+    "fedgroup-mnist-fgp-madc": (("max acc %",), ("fgp-madc",)),
+    "fedgroup-synthetic-ablations": (
+        ("max acc %",),
+        ("fg-rcc-edc", "fg-rac-edc", "fedgroup-madc", "fgp-madc"),
+    ),
+    "fedgroup-newcomers": (
+        ("max acc %", "last-10 acc %"),
+        ("fedgroup-edc", "fedgroup-madc", "fedgrouprox", "ifca", "fesem", "fedavg"),
+    ),
+    "jgl-fig4-cnn": (("rounds to purity 0.9", "rounds to acc 0.8", "purity"), ("jgl-0.2", "ifca")),
+    "dcfl-fig4": (("clients final", "clients average"), ("dcfl", "cfl", "fedavg")),
+}
+
+
+def paper_order_lines(cell: str, table: list[Row]) -> list[str]:
+    """The scoreboard's numbers of a cell: per column, its methods in the paper's order
+    (``name value`` joined by `` / ``; ``-`` for a method with no row)."""
+    if cell not in PAPER_ORDER:
+        return []
+    columns, order = PAPER_ORDER[cell]
+    rows = {str(r["algorithm"]): r for r in table}
+    lines = []
+    for column in columns:
+        values = [
+            f"{a} {rows[a][column]} ({rows[a]['seeds']}; {rows[a].get('rounds', '')})"
+            if a in rows
+            else f"{a} -"
+            for a in order
+        ]
+        lines.append(f"{column}: " + " / ".join(values))
+    return lines
+
+
 def run_cell(name: str, args) -> list[Row]:
     """Run one of ``CELLS`` and return its score table (Fig. 8: the clustering round's costs)."""
     cell = CELLS[name]
@@ -573,6 +633,7 @@ def main() -> None:
         for cell, table in tables.items():
             print(f"\n{cell} ({CELLS[cell].preset}; rounds: reached / planned)")
             print(format_table(table))
+            print("\n".join(paper_order_lines(cell, table)))
         return
     if args.experiment == "summarize":
         table = score_table(up_to(load_jobs(args.runs), args.upto), args.last)

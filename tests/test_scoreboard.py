@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reproduce import CELLS, EXPERIMENTS, first_round, reached, scoreboard_tables
+from benchmarks.reproduce import (
+    CELLS,
+    EXPERIMENTS,
+    PAPER_ORDER,
+    first_round,
+    paper_order_lines,
+    reached,
+    scoreboard_tables,
+)
 from fedcluster.algorithms.base import check_algorithms
 from fedcluster.config import resolve_config
 
@@ -106,3 +114,13 @@ def test_scoreboard_tables_merge_jobs_and_flag_cut_ones(tmp_path: Path) -> None:
     common = {r["algorithm"]: r for r in scoreboard_tables(tmp_path, upto=2)["cflgt-fmnist-s2"]}
     assert common["cflgt"]["final acc %"] == "70.0 ± 0.0"
     assert common["cflgt"]["rounds"] == "2/3"
+    (line,) = paper_order_lines("cflgt-fmnist-s2", scoreboard_tables(tmp_path)["cflgt-fmnist-s2"])
+    assert line.startswith("last-20 acc %: fedavg 50.0 ± 0.0 (1; 2/3) / fedavg-ft - / ")
+    assert line.endswith(" / cflgt 70.0 ± 0.0 (1; 3/3)")
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_ORDER))
+def test_paper_order_names_the_cells_algorithms(name: str) -> None:
+    cell = CELLS[name]
+    config = resolve_config(None, cell.preset, list(cell.sets), {"seeds": [0]})
+    assert set(PAPER_ORDER[name][1]) == {a.display_name() for a in config.algorithms}
