@@ -29,45 +29,53 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from benchmarks.common import default_data_dir
-from fedcluster.algorithms.cluster_models import Choice, ClusterModelAlgorithm, ClusterModelState
+from fedcluster.algorithms.channel import Replies
+from fedcluster.algorithms.cluster_models import ClusterModelAlgorithm, ClusterModelState
 from fedcluster.algorithms.ifca import IFCA
 from fedcluster.config import resolve_config
 from fedcluster.runner import Experiment
 
 
 class ChoiceLog:
-    """Collects IFCA's per-client losses and choices; writes the two CSV tables."""
+    """Appends IFCA's per-client losses and choices to the two CSV tables as they come."""
 
     def __init__(self, out: Path, probe_every: int) -> None:
         self.out = out
         self.probe_every = probe_every
-        self.rows: list[dict[str, Any]] = []
+        self.k: int | None = None
 
     def add(
         self, rnd: int, kind: str, clients: np.ndarray, groups: np.ndarray, losses: np.ndarray
     ) -> None:
+        k = losses.shape[1]
+        if self.k is None:
+            self.k = k
+            losses_head = [f"loss_{j}" for j in range(k)]
+            write_rows(
+                self.out / "choices.csv",
+                [["round", "kind", "client", "group", *losses_head, "choice"]],
+                "w",
+            )
+            head = ["round", "kind", "group", "clients"]
+            head += [f"share_{j}" for j in range(k)] + [f"mean_loss_{j}" for j in range(k)]
+            write_rows(self.out / "groups.csv", [head], "w")
         choice = losses.argmin(axis=1)
-        for c, g, row, k in zip(clients, groups, losses, choice, strict=True):
-            rec = {"round": rnd, "kind": kind, "client": int(c), "group": int(g)}
-            rec.update({f"loss_{j}": float(v) for j, v in enumerate(row)})
-            rec["choice"] = int(k)
-            self.rows.append(rec)
+        rows = [
+            [rnd, kind, int(c), int(g), *(f"{v:.6f}" for v in row), int(j)]
+            for c, g, row, j in zip(clients, groups, losses, choice, strict=True)
+        ]
+        write_rows(self.out / "choices.csv", rows, "a")
+        write_rows(self.out / "groups.csv", group_rows(rnd, kind, groups, losses), "a")
         if kind == "probe":
             print(f"round {rnd:4d} {describe(groups, losses)}", flush=True)
-        self.write()
 
-    def write(self) -> None:
-        if not self.rows:
-            return
-        with open(self.out / "choices.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
-            w.writeheader()
-            w.writerows(self.rows)
-        with open(self.out / "groups.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerows(group_table(self.rows))
+
+def write_rows(path: Path, rows: list[list[Any]], mode: str) -> None:
+    with open(path, mode, newline="") as f:
+        csv.writer(f).writerows(rows)
 
 
 def describe(groups: np.ndarray, losses: np.ndarray) -> str:
@@ -85,50 +93,51 @@ def describe(groups: np.ndarray, losses: np.ndarray) -> str:
     return " | ".join(parts)
 
 
-def group_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """groups.csv: per (round, kind, group) the clients, share choosing each model, mean losses."""
-    k = sum(1 for key in rows[0] if key.startswith("loss_"))
-    head = ["round", "kind", "group", "clients"]
-    head += [f"share_{j}" for j in range(k)] + [f"mean_loss_{j}" for j in range(k)]
-    table: list[list[Any]] = [head]
-    keys = sorted({(r["round"], r["kind"], r["group"]) for r in rows})
-    for rnd, kind, g in keys:
-        sel = [r for r in rows if (r["round"], r["kind"], r["group"]) == (rnd, kind, g)]
-        share = np.bincount([r["choice"] for r in sel], minlength=k) / len(sel)
-        mean = [np.mean([r[f"loss_{j}"] for r in sel]) for j in range(k)]
-        table.append([rnd, kind, g, len(sel), *np.round(share, 3), *np.round(mean, 4)])
-    return table
+def group_rows(rnd: int, kind: str, groups: np.ndarray, losses: np.ndarray) -> list[list[Any]]:
+    """groups.csv rows of one query: per group the clients, the share choosing each
+    model and each model's mean loss."""
+    k = losses.shape[1]
+    rows = []
+    for g in np.unique(groups):
+        sel = losses[groups == g]
+        share = np.bincount(sel.argmin(axis=1), minlength=k) / len(sel)
+        rows.append(
+            [rnd, kind, int(g), len(sel), *np.round(share, 3), *np.round(sel.mean(axis=0), 4)]
+        )
+    return rows
 
 
 def instrument(log: ChoiceLog) -> None:
-    """Wrap IFCA's round and choice so that every choice (and the probes) is logged."""
-    choose = IFCA.choose
+    """Wrap IFCA's decision query and round so that every choice (and the probes) is logged."""
     run_round = IFCA.run_round
 
     def groups_of(algo: IFCA, clients: np.ndarray) -> np.ndarray:
         truth = algo.ctx.federation.groups
         return np.full(len(clients), -1) if truth is None else truth[clients]
 
-    def logged_choose(
-        self: IFCA, state: ClusterModelState, rnd: int, selected: np.ndarray
-    ) -> Choice:
-        replies = self.model_losses(state.models, selected, rnd, "decide", self.choice_batches())
-        chosen = choose(self, state, rnd, selected)
-        losses = replies["losses"].double().numpy()
-        log.add(rnd, "chosen", replies.clients, groups_of(self, replies.clients), losses)
-        return chosen
+    def logged_losses(
+        self: IFCA,
+        models: torch.Tensor,
+        clients: np.ndarray,
+        rnd: int,
+        purpose: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Replies:
+        replies = super(IFCA, self).model_losses(models, clients, rnd, purpose, *args, **kwargs)
+        if purpose in ("decide", "probe"):
+            kind = "chosen" if purpose == "decide" else "probe"
+            losses = replies["losses"].double().numpy()
+            log.add(rnd, kind, replies.clients, groups_of(self, replies.clients), losses)
+        return replies
 
     def logged_round(self: IFCA, state: ClusterModelState, rnd: int, selected: np.ndarray) -> float:
         if (rnd - 1) % log.probe_every == 0:
             clients = np.flatnonzero(self.ctx.present)
-            replies = self.model_losses(
-                state.models, clients, rnd, "probe", "all", measurement=True
-            )
-            losses = replies["losses"].double().numpy()
-            log.add(rnd, "probe", replies.clients, groups_of(self, replies.clients), losses)
+            self.model_losses(state.models, clients, rnd, "probe", "all", measurement=True)
         return run_round(self, state, rnd, selected)
 
-    IFCA.choose = logged_choose  # type: ignore[method-assign]
+    IFCA.model_losses = logged_losses  # type: ignore[method-assign]
     IFCA.run_round = logged_round  # type: ignore[method-assign]
 
 
