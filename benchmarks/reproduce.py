@@ -12,6 +12,7 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
     python -m benchmarks.reproduce dcfl-table1-central-500 --seeds 1 --out runs/repro
     python -m benchmarks.reproduce dcfl-table2 --seeds 3 --out runs/repro
     python -m benchmarks.reproduce dcfl-fig5 --seeds 3 --out runs/repro
+    python -m benchmarks.reproduce fedgroup-table1 --seeds 1 --out runs/repro
     python -m benchmarks.reproduce summarize --runs DIR[:SEEDS] [...] --last 10
     python -m benchmarks.reproduce jgl-fig4-mlp --seeds 3 --out runs/repro   # a CELLS entry
 
@@ -137,6 +138,7 @@ def _jobs(preset: str, sets: list[str], args, tag: str, rounds: int | None = Non
         tag = f"{tag}-{'+'.join(only)}"
     out = Path(args.out) / tag
     rounds = args.rounds if args.rounds is not None else rounds
+    sets = [*sets, *args.set]
     return run_setting(
         preset, sets, args.seeds, out, args.data_dir, rounds, args.first_seed, only=only
     )
@@ -245,6 +247,24 @@ def dcfl_fig5(args) -> list[Row]:
     return table
 
 
+def fedgroup_table1(args) -> list[Row]:
+    """FedGroup Table I: FedAvg (MCLR) on MNIST with 1, 3, 5 and 10 classes per client.
+
+    Max and median pooled accuracy over the rounds and the first round at 85%; the
+    discrepancy of eq. 4 (mean distance of the clients' models to the global one) is not
+    logged by fedcluster.
+    """
+    table = []
+    for k in (1, 3, 5, 10):
+        sets = ["eval_every=1", f"data.partition.classes_per_client={k}", _algs("{name: fedavg}")]
+        jobs = _jobs("fedgroup-mnist", sets, args, f"fedgroup-t1-{k}")
+        row = score_table(jobs, 10, f"{k} classes", acc_target=0.85)[0]
+        medians = [np.median([float(r["accuracy"]) for r in _evaluated(j["rows"])]) for j in jobs]
+        row["median acc %"] = mean_std(medians, 100.0)
+        table.append(row)
+    return table
+
+
 @dataclass(frozen=True)
 class Cell:
     """One scoreboard cell group: a preset, overrides, default rounds and its score."""
@@ -269,6 +289,9 @@ JGL_PAIR = _algs(
 # JGL Fig. 2 at the scale of docs/reproduction.md's JGL tables (global labels, random init).
 JGL_MNIST = ("data.partition.scale=0.27", "data.partition.relabel=false", "eval_every=1", JGL_PAIR)
 FG_EDC = "{name: fedgroup, label: fedgroup-edc, params: {n_groups: 3, measure: edc"
+FG_EDC5 = FG_EDC.replace("n_groups: 3", "n_groups: 5")
+FG_MADC = "{name: fedgroup, label: fedgroup-madc, params: {n_groups: 3, measure: madc}}"
+FGP_MADC = "{{name: fedgrouprox, label: fgp-madc, params: {{n_groups: {m}, measure: madc}}}}"
 
 CELLS: dict[str, Cell] = {
     # JGL Fig. 4(b)-(c): rounds to 0.8 test accuracy, MLP (the paper: 14% fewer for JGL).
@@ -326,9 +349,48 @@ CELLS: dict[str, Cell] = {
         27,
         clustering_round=26,
     ),
-    # FedGroup Table III, MNIST-MLP column (one hidden layer of 128 units).
+    # FedGroup Table III, MNIST-MLP column (one hidden layer of 128 units): the preset's
+    # seven methods and the table's RCC, RAC and FGP-MADC.
     "fedgroup-mnist-mlp": Cell(
-        "fedgroup-mnist", ("eval_every=1", "model.name=mlp", "model.options={hidden: [128]}"), 300
+        "fedgroup-mnist",
+        (
+            "eval_every=1",
+            "model.name=mlp",
+            "model.options={hidden: [128]}",
+            _algs(
+                FG_EDC + "}}",
+                FG_MADC,
+                "{name: fedgrouprox, label: fgp-edc, params: {n_groups: 3}}",
+                "{name: ifca, params: {n_clusters: 3}}",
+                "{name: fesem, params: {n_clusters: 3}}",
+                "{name: fedavg}",
+                "{name: fedprox, params: {mu: 1.0}}",
+                FG_EDC.replace("fedgroup-edc", "fg-rcc-edc") + ", rcc: true}}",
+                FG_EDC.replace("fedgroup-edc", "fg-rac-edc") + ", rac: true}}",
+                FGP_MADC.format(m=3),
+            ),
+        ),
+        300,
+        last=10,
+    ),
+    # FedGroup Table III, MNIST-MCLR: FGP-MADC (the preset's FedGrouProx uses EDC).
+    "fedgroup-mnist-fgp-madc": Cell(
+        "fedgroup-mnist", ("eval_every=1", _algs(FGP_MADC.format(m=3))), 300, last=10
+    ),
+    # FedGroup Table III, Synthetic(1,1)-MCLR: RCC, RAC, FG-MADC and FGP-MADC (m = 5).
+    "fedgroup-synthetic-ablations": Cell(
+        "fedgroup-synthetic",
+        (
+            "eval_every=1",
+            _algs(
+                FG_EDC5.replace("fedgroup-edc", "fg-rcc-edc") + ", rcc: true}}",
+                FG_EDC5.replace("fedgroup-edc", "fg-rac-edc") + ", rac: true}}",
+                FG_MADC.replace("n_groups: 3", "n_groups: 5"),
+                FGP_MADC.format(m=5),
+            ),
+        ),
+        200,
+        last=10,
     ),
     # FedGroup Table III's ablations RCC and RAC, and the inter-group rate eta_g, MNIST-MCLR.
     "fedgroup-ablations": Cell(
@@ -358,10 +420,74 @@ CELLS: dict[str, Cell] = {
 }
 
 
+# The scoreboard's column of each cell's table and its methods in the paper's order
+# (docs/reproduction.md's rows: C8, C9-C15, C19, G11, G12, G18, G24, J4, D8).
+PAPER_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cflgt-fmnist-s2": (
+        ("last-20 acc %",),
+        ("fedavg", "fedavg-ft", "fedprox", "fesem", "flhc", "ifca", "cflgt"),
+    ),
+    "cflgt-fmnist-s3": (
+        ("last-20 acc %",),
+        ("cflgt", "ifca", "flhc", "fesem", "fedavg", "fedavg-ft", "fedprox"),
+    ),
+    "cflgt-table2-fmnist": (("last-20 acc %",), ("flhc-10", "flhc-30")),
+    "fedgroup-mnist-mlp": (
+        ("max acc %",),
+        (
+            "fedavg",
+            "fedprox",
+            "ifca",
+            "fesem",
+            "fg-rcc-edc",
+            "fg-rac-edc",
+            "fedgroup-edc",
+            "fgp-edc",
+            "fedgroup-madc",
+            "fgp-madc",
+        ),
+    ),
+    "fedgroup-mnist-fgp-madc": (("max acc %",), ("fgp-madc",)),
+    "fedgroup-synthetic-ablations": (
+        ("max acc %",),
+        ("fg-rcc-edc", "fg-rac-edc", "fedgroup-madc", "fgp-madc"),
+    ),
+    "fedgroup-newcomers": (
+        ("max acc %", "last-10 acc %"),
+        ("fedgroup-edc", "fedgroup-madc", "fedgrouprox", "ifca", "fesem", "fedavg"),
+    ),
+    "jgl-fig4-cnn": (("rounds to purity 0.9", "rounds to acc 0.8", "purity"), ("jgl-0.2", "ifca")),
+    "dcfl-fig4": (("clients final", "clients average"), ("dcfl", "cfl", "fedavg")),
+}
+
+
+def paper_order_lines(cell: str, table: list[Row]) -> list[str]:
+    """The scoreboard's numbers of a cell: per column, its methods in the paper's order
+    (``name value`` joined by `` / ``; ``-`` for a method with no row)."""
+    if cell not in PAPER_ORDER:
+        return []
+    columns, order = PAPER_ORDER[cell]
+    rows = {str(r["algorithm"]): r for r in table}
+    lines = []
+    for column in columns:
+        values = [
+            f"{a} {rows[a][column]} ({rows[a]['seeds']}; {rows[a].get('rounds', '')})"
+            if a in rows
+            else f"{a} -"
+            for a in order
+        ]
+        lines.append(f"{column}: " + " / ".join(values))
+    return lines
+
+
 def run_cell(name: str, args) -> list[Row]:
     """Run one of ``CELLS`` and return its score table (Fig. 8: the clustering round's costs)."""
     cell = CELLS[name]
-    jobs = _jobs(cell.preset, list(cell.sets), args, name, cell.rounds)
+    return cell_table(cell, _jobs(cell.preset, list(cell.sets), args, name, cell.rounds))
+
+
+def cell_table(cell: Cell, jobs: list[Row]) -> list[Row]:
+    """A cell's score table from its jobs (algorithm, seed, metric rows)."""
     if cell.clustering_round is None:
         table = score_table(jobs, cell.last, acc_target=cell.acc_target)
         for row in table:
@@ -409,6 +535,51 @@ def load_jobs(runs: list[str]) -> list[Row]:
     return [{"algorithm": a, "seed": s, "rows": rows} for (a, s), rows in jobs.items()]
 
 
+def rounds_reached(jobs: list[Row]) -> dict[str, str]:
+    """Per algorithm, the last round its seeds reached (``min-max`` where they differ)."""
+    reached: dict[str, list[int]] = {}
+    for job in jobs:
+        reached.setdefault(str(job["algorithm"]), []).append(int(job["rows"][-1]["round"]))
+    return {a: "-".join(dict.fromkeys(map(str, (min(r), max(r))))) for a, r in reached.items()}
+
+
+def up_to(jobs: list[Row], upto: int | None) -> list[Row]:
+    """The jobs' rows up to round ``upto`` (all with None); jobs left with no row dropped."""
+    if upto is not None:
+        jobs = [j | {"rows": [r for r in j["rows"] if r["round"] <= upto]} for j in jobs]
+    return [j for j in jobs if j["rows"]]
+
+
+def scoreboard_tables(folder: Path, upto: int | None = None) -> dict[str, list[Row]]:
+    """The cells' score tables from the output of ``benchmarks/gpu/scoreboard_cpu.sh``.
+
+    ``folder`` holds its ``jobs.txt`` (job name, cell, ...) and ``runs/<job>/``; the jobs of
+    a cell are merged and scored as :func:`run_cell` scores them, each row with the rounds
+    its seeds reached and the job's planned rounds (a job cut by the deadline stops early).
+    ``upto`` keeps rounds up to that one (a common round for jobs cut at different rounds).
+    """
+    by_cell: dict[str, list[str]] = {}
+    planned: dict[tuple[str, str], str] = {}  # (cell, algorithm label): the job's rounds
+    for line in (folder / "jobs.txt").read_text().splitlines():
+        name, cell, _, algorithms, rounds = line.split()[:5]
+        planned |= {(cell, a): rounds for a in algorithms.split(",")}
+        runs = sorted(str(p.parent) for p in (folder / "runs" / name).glob("*/metrics.csv"))
+        by_cell.setdefault(cell, []).extend(runs)
+    tables = {}
+    for cell, runs in by_cell.items():
+        jobs = up_to(load_jobs(runs), upto)
+        if not jobs:
+            continue
+        jobs.sort(key=lambda j: (str(j["algorithm"]), int(j["seed"])))
+        reached = rounds_reached(jobs)
+        table = cell_table(CELLS[cell], jobs)
+        for row in table:
+            alg = str(row["algorithm"])
+            row["rounds"] = f"{reached[alg]}/{planned.get((cell, alg), '?')}"
+        tables[cell] = table
+    return tables
+
+
 EXPERIMENTS: dict[str, Callable] = {
     "cflgt-s1": cflgt_s1,
     "fedgroup-mnist": fedgroup_mnist,
@@ -418,23 +589,54 @@ EXPERIMENTS: dict[str, Callable] = {
     "dcfl-table1-central-500": dcfl_table1_central_500,
     "dcfl-table2": dcfl_table2,
     "dcfl-fig5": dcfl_fig5,
+    "fedgroup-table1": fedgroup_table1,
 }
 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("experiment", choices=[*sorted(EXPERIMENTS), *sorted(CELLS), "summarize"])
+    p.add_argument(
+        "experiment", choices=[*sorted(EXPERIMENTS), *sorted(CELLS), "summarize", "scoreboard"]
+    )
     p.add_argument("--runs", nargs="*", default=[], help="summarize: run directories [DIR:SEEDS]")
     p.add_argument("--last", type=int, default=10, help="summarize: N of the last-N score")
+    p.add_argument(
+        "--upto",
+        type=int,
+        default=None,
+        help="summarize, scoreboard: only rounds up to this one (a round every job reached)",
+    )
+    p.add_argument(
+        "--folder",
+        default=None,
+        help="scoreboard: the unpacked scoreboard.tgz of benchmarks/gpu/scoreboard_cpu.sh",
+    )
     p.add_argument(
         "--algorithms",
         default="",
         help="comma-separated labels or names: run only these of the experiment's algorithms "
         "(e.g. one process each; 'summarize' merges the run directories)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override after the experiment's own (repeatable; e.g. a smaller scale)",
+    )
     args = p.parse_args()
+    if args.experiment == "scoreboard":
+        if args.folder is None:
+            raise SystemExit("scoreboard: --folder names the unpacked scoreboard.tgz")
+        tables = scoreboard_tables(Path(args.folder), args.upto)
+        save_json(Path(args.out) / "scoreboard.json", tables)
+        for cell, table in tables.items():
+            print(f"\n{cell} ({CELLS[cell].preset}; rounds: reached / planned)")
+            print(format_table(table))
+            print("\n".join(paper_order_lines(cell, table)))
+        return
     if args.experiment == "summarize":
-        table = score_table(load_jobs(args.runs), args.last)
+        table = score_table(up_to(load_jobs(args.runs), args.upto), args.last)
     elif args.experiment in CELLS:
         table = run_cell(args.experiment, args)
     else:

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reproduce import CELLS, EXPERIMENTS, first_round, reached
+from benchmarks.reproduce import (
+    CELLS,
+    EXPERIMENTS,
+    PAPER_ORDER,
+    first_round,
+    paper_order_lines,
+    reached,
+    scoreboard_tables,
+)
 from fedcluster.algorithms.base import check_algorithms
 from fedcluster.config import resolve_config
 
@@ -37,7 +45,7 @@ def _slug(heading: str) -> str:
 def test_scoreboard_names_reproduce_experiments_that_exist() -> None:
     names = set(re.findall(r"python -m benchmarks\.reproduce ([\w-]+)", DOC.read_text()))
     assert names & set(CELLS), "the scoreboard names no cell"
-    unknown = names - set(CELLS) - set(EXPERIMENTS) - {"summarize"}
+    unknown = names - set(CELLS) - set(EXPERIMENTS) - {"summarize", "scoreboard"}
     assert not unknown, f"docs/reproduction.md runs unknown experiments {sorted(unknown)}"
 
 
@@ -78,3 +86,41 @@ def test_rounds_to_a_target_count_only_seeds_that_reach_it() -> None:
     assert math.isnan(first_round(rows, "accuracy", 0.9))
     assert reached([3.0, 5.0, math.nan]) == "4.0 ± 1.0 (2/3)"
     assert reached([math.nan]) == "never (0/1)"
+
+
+def _write_job(folder: Path, name: str, algorithm: str, accuracies: list[float]) -> None:
+    """A job's metrics.csv as benchmarks/gpu/scoreboard_cpu.sh leaves it (maybe cut short)."""
+    run = folder / "runs" / name / f"cflgt-fmnist-s2-{algorithm}"
+    run.mkdir(parents=True)
+    head = "round,algorithm,seed,accuracy,accuracy_mean,accuracy_std,purity,ari,n_clusters,"
+    lines = [head + "epsilon,client_seconds,server_seconds"]
+    for rnd, acc in enumerate(accuracies, 1):
+        lines.append(f"{rnd},{algorithm},0,{acc},{acc},0.1,,,,,1.0,0.5")
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_scoreboard_tables_merge_jobs_and_flag_cut_ones(tmp_path: Path) -> None:
+    (tmp_path / "jobs.txt").write_text(
+        "c8-cflgt-s0 cflgt-fmnist-s2 0 cflgt 3\nc8-fedavg-s0 cflgt-fmnist-s2 0 fedavg 3\n"
+        "c8-fesem-s0 cflgt-fmnist-s2 0 fesem 3\n"  # never started: no run directory
+    )
+    _write_job(tmp_path, "c8-cflgt-s0", "cflgt", [0.5, 0.7, 0.9])
+    _write_job(tmp_path, "c8-fedavg-s0", "fedavg", [0.4, 0.6])  # cut after round 2
+    rows = {r["algorithm"]: r for r in scoreboard_tables(tmp_path)["cflgt-fmnist-s2"]}
+    assert set(rows) == {"cflgt", "fedavg"}
+    assert (rows["cflgt"]["rounds"], rows["fedavg"]["rounds"]) == ("3/3", "2/3")
+    assert rows["cflgt"]["last-20 acc %"] == "70.0 ± 0.0"  # (50 + 70 + 90) / 3
+    assert rows["fedavg"]["final acc %"] == "60.0 ± 0.0"
+    common = {r["algorithm"]: r for r in scoreboard_tables(tmp_path, upto=2)["cflgt-fmnist-s2"]}
+    assert common["cflgt"]["final acc %"] == "70.0 ± 0.0"
+    assert common["cflgt"]["rounds"] == "2/3"
+    (line,) = paper_order_lines("cflgt-fmnist-s2", scoreboard_tables(tmp_path)["cflgt-fmnist-s2"])
+    assert line.startswith("last-20 acc %: fedavg 50.0 ± 0.0 (1; 2/3) / fedavg-ft - / ")
+    assert line.endswith(" / cflgt 70.0 ± 0.0 (1; 3/3)")
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_ORDER))
+def test_paper_order_names_the_cells_algorithms(name: str) -> None:
+    cell = CELLS[name]
+    config = resolve_config(None, cell.preset, list(cell.sets), {"seeds": [0]})
+    assert set(PAPER_ORDER[name][1]) == {a.display_name() for a in config.algorithms}
