@@ -102,7 +102,7 @@ FEDERATIONS = {
         "runs/dp-modes",
     ),
     "records": Federation(
-        rotation(40, 1500, 250, "{lr: 0.1, batch_size: 64, epochs: 1}", 1.0),
+        rotation(40, 1500, 250, "{lr: 0.3, batch_size: 64, epochs: 1}", 1.0),
         {"record": (("privacy.mode=record", BUDGET), ("fedavg", "ifca", "dcfl", "fedgroup"))},
         "runs/dp-modes-records",
     ),
