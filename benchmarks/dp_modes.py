@@ -20,7 +20,7 @@ Federations (``--federation``), both reductions of the docs' rotation preset
   needs many clients per cluster aggregate (the noise of a cluster mean is
   z·C/n_k), hence many small clients.
 - ``records`` (mode record): 40 clients (10 per rotation) of 1,500 training
-  and 250 test images, the whole of Fashion-MNIST's 70,000; lr 0.1, B = 64,
+  and 250 test images, the whole of Fashion-MNIST's 70,000; lr 0.3, B = 64,
   clip 1 per sample. DP-SGD's noise per step is σ·C/(q·n) per coordinate, so
   clients with many records keep their uploads informative.
 
