@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
+from benchmarks.dp_modes import BUDGET, FEDERATIONS
 from fedcluster.algorithms.base import init_row
 from fedcluster.config import resolve_config
 from fedcluster.dp import (
@@ -110,13 +111,10 @@ def test_prv_calibration_is_the_accountants_answer():
 
 
 def test_record_level_ledger_is_opacus_for_a_known_configuration():
-    """docs/privacy.md's record-level federation: 1,500 samples, B = 64, one epoch,
-    16 uploads at (ε = 10, δ = 1e-5)."""
-    sets = [
-        "train={lr: 0.1, batch_size: 64, epochs: 1}",
-        "privacy={mode: record, epsilon: 10.0, delta: 1.0e-5, clip: 1.0, max_participations: 16}",
-    ]
-    dp = LocalDP.from_config(resolve_config(None, "quickstart", sets), np.array([1500]), 0)
+    """docs/privacy.md's record-level federation (``benchmarks.dp_modes --federation
+    records``): 1,500 samples, B = 64, one epoch, 16 uploads at (ε = 10, δ = 1e-5)."""
+    sets = [*FEDERATIONS["records"].sets, "privacy.mode=record", BUDGET, "privacy.epsilon=10"]
+    dp = LocalDP.from_config(resolve_config(None, "rotation", sets), np.array([1500]), 0)
     steps, q = 24, 1.0 / 24  # ⌈1500/64⌉ Poisson steps per epoch, each at rate 1/24
     assert dp.sample_rate.tolist() == [q] and dp.budget.tolist() == [16 * steps]
     sigma = float(dp.noise_multiplier[0])
