@@ -49,8 +49,9 @@ class MLPKernel:
     """Batched cross-entropy SGD for a Linear/ReLU stack.
 
     ``low`` (``torch.bfloat16`` or ``None``) is the dtype of the matrix products of
-    training (:meth:`sgd_step`, :meth:`sgd_deferred`, :meth:`sgd_full_batch`) and
-    of :meth:`logits`: operands rounded to it, float32 accumulation, the result
+    training (:meth:`sgd_step`, :meth:`sgd_deferred`; :meth:`sgd_full_batch` its
+    products over the inputs) and of :meth:`logits`: operands rounded to it,
+    float32 accumulation, the result
     rounded to it and used in float32 (:mod:`fedcluster.engine.precision`);
     ``None`` is plain float32.
     """
@@ -59,6 +60,11 @@ class MLPKernel:
         self.layers = layers
         self.dim = dim
         self.low = low
+
+    @property
+    def fp32(self) -> MLPKernel:
+        """This kernel with float32 products (itself when ``low`` is ``None``)."""
+        return self if self.low is None else MLPKernel(self.layers, self.dim)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as a product operand (rounded to ``low``, else itself)."""
@@ -432,29 +438,33 @@ class MLPKernel:
         deferral is exact; only the order of float additions differs from SGD
         step by step (tested against the per-client loop). The upper layers take
         ordinary steps (:meth:`sgd_step`).
+
+        With ``low`` the two products over the inputs, X W_0ᵀ and D_Sᵀ X
+        (n·f·h multiply-adds each), take operands cast to it, ``x`` once per group.
+        The per-step products (the n × n Gram correction, the upper layers: for
+        IFCA's 784-200-10 MLP the 200 → 10 classifier) are float32 calls, without
+        a cast kernel around each of them every step; the simulator runs this
+        route under :func:`~fedcluster.engine.precision.float32_products_in`, so
+        on the CPU oneDNN takes their operands in ``low`` as well.
         """
         g, n_steps, _ = weight.shape
         first = self.layers[0]
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
-        x, gram = self._cast(x), self._cast(gram)
+        x = self._cast(x)  # once per group: the same inputs every step
         if same_start:  # one product for the whole group
             pre = self._mm(x.reshape(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
         else:
             pre = self._bmm(x, w1.transpose(1, 2))
         summed = torch.zeros_like(pre)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
+        exact = self.fp32  # the per-step products are too small to gain from ``low``
         for s in range(n_steps):
-            if self.low is None:
-                z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
-            else:
-                z = pre.clone()
-                if s:
-                    self._baddbmm_(z, gram, summed, -lr)
+            z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
             z.add_(b1.unsqueeze(1))
             if upper:
-                loss, d = self.sgd_step(
+                loss, d = exact.sgd_step(
                     upper, torch.relu(z), y, weight[:, s], lr, input_gradient=True
                 )
                 assert d is not None

@@ -54,7 +54,7 @@ from fedcluster.engine.gram import GramCache
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.model_eval import EVAL_ROWS, chunk_stats, distinct_chunks
 from fedcluster.engine.modes import LossFn, loss_or_default, training
-from fedcluster.engine.precision import resolve_precision
+from fedcluster.engine.precision import float32_products_in, resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.threads import usable_workers
 from fedcluster.errors import ConfigError, FedclusterError
@@ -626,7 +626,9 @@ class Simulator(ClientClock):
         workers = self.threads or torch.get_num_threads()
         size = self.group_size or balanced_group_size(n, workers)
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
-        _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
+        # the full-batch route's per-step products take bfloat16 operands inside oneDNN
+        with float32_products_in(self.low if full_batch else None):
+            _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     def _full_batches(
