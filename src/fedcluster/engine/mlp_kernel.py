@@ -382,10 +382,12 @@ class MLPKernel:
         kept = features or slice(None)
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, kept]
         source = w1  # the first layer's weights the next chunk starts from
-        if start is not None and start is not rows:
-            # Everything but the first layer's kept weights now; those come with the update.
-            rows[:, : first.weight.start] = start[:, : first.weight.start]
-            rows[:, first.weight.stop :] = start[:, first.weight.stop :]
+        if start is None:
+            start = rows
+        if start is not rows:
+            # The first layer's bias and skipped weights now; its kept weights come with
+            # the first update, the upper layers with pack (detect: a row holds nothing else).
+            rows[:, first.bias] = start[:, first.bias]
             skipped = rows[:, first.weight].view(g, *first.shape)
             begin = start[:, first.weight].view(g, *first.shape)
             skipped[:, :, : kept.start or 0] = begin[:, :, : kept.start or 0]
@@ -393,7 +395,7 @@ class MLPKernel:
                 skipped[:, :, kept.stop :] = begin[:, :, kept.stop :]
             source = begin[:, :, kept]
         b1 = rows[:, first.bias]
-        upper = self.unpack(rows, from_layer=1)
+        upper = self.unpack(start, from_layer=1)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
         widths = (weight > 0).sum(dim=2).amax(dim=0).tolist()
         for c in range(0, n_steps, chunk):
