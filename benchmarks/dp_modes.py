@@ -1,23 +1,32 @@
-"""The privacy-accuracy table of the three DP modes on the Fashion-MNIST rotation federation.
+"""The privacy-accuracy table of the DP modes on two Fashion-MNIST rotation federations.
 
 Modes (docs/privacy.md): ``local`` (client-level local DP, every upload
 clipped and noised on the client), ``central`` (DP-FedAvg with adaptive
-clipping at each cluster's aggregate, trusted server) and ``sketch``
-(central aggregates plus a noisy 256-dimensional sketch of each client's
-first update, on which DCFL and FedGroup cluster). Each cell is the final
-pooled test accuracy and ARI, mean ± std over seeds; ε = ∞ is the run
-without privacy (shared by the three modes).
+clipping at each cluster's aggregate, trusted server), ``sketch`` (central
+aggregates plus a noisy 256-dimensional sketch of each client's first
+update, on which DCFL and FedGroup cluster) and ``record`` (record-level
+local DP: DP-SGD on every client, so every upload is already DP and the
+algorithms cluster on the uploads as post-processing). Each cell is the
+final pooled test accuracy and ARI, mean ± std over seeds; ε = ∞ is the run
+without privacy (shared by the modes of a federation).
 
-The federation is a reduction of the docs' rotation preset to fit the
-shared machine: 300 clients (75 per rotation of 0/90/180/270 degrees), 60
-training and 30 test images each, multinomial logistic regression
-(``mclr``, d = 7,850), lr 0.1, B = 32, one local epoch, 15 rounds, full
-participation; δ = 1e-5, initial clip 0.4 (the median update norm of round 1).
-Central DP needs many clients per cluster aggregate (the noise of a cluster
-mean is z·C/n_k), hence many small clients and a small model.
+Federations (``--federation``), both reductions of the docs' rotation preset
+(4 groups of 0/90/180/270 degrees) with multinomial logistic regression
+(``mclr``, d = 7,850), one local epoch, 15 rounds, full participation, δ = 1e-5:
+
+- ``clients`` (default; modes local, central, sketch): 300 clients (75 per
+  rotation), 60 training and 30 test images each, lr 0.1, B = 32, clip 0.4
+  (the median update norm of round 1; central DP's initial C_0). Central DP
+  needs many clients per cluster aggregate (the noise of a cluster mean is
+  z·C/n_k), hence many small clients.
+- ``records`` (mode record): 40 clients (10 per rotation) of 1,500 training
+  and 250 test images, the whole of Fashion-MNIST's 70,000; lr 0.3, B = 64,
+  clip 1 per sample. DP-SGD's noise per step is σ·C/(q·n) per coordinate, so
+  clients with many records keep their uploads informative.
 
     python -m benchmarks.dp_modes --seeds 3 --out runs/dp-modes
-    python -m benchmarks.dp_modes --seeds 2 --first-seed 1 --modes none,central,sketch --eps 10,inf
+    python -m benchmarks.dp_modes --federation records --seeds 3
+    python -m benchmarks.dp_modes --federation records --geometry    # round-1 signal vs noise
 
 ``--modes`` and ``--eps`` run a subset of the cells (e.g. more seeds of the
 ε = 10 column). Seeds run outermost, and the JSON of every finished job is rewritten after
@@ -28,47 +37,86 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.common import parser, run_setting, save_json
+from fedcluster.algorithms.base import init_row
+from fedcluster.config import resolve_config
+from fedcluster.engine.batches import LocalTraining
+from fedcluster.privacy import LocalDP
 from fedcluster.report import format_table
+from fedcluster.runner import build_federation_for, model_for, simulator_for
 
 EPSILONS = (1.0, 3.0, 10.0, 30.0)
-FEDERATION = [
-    "data.dataset=fashion-mnist",
-    "data.partition={name: rotation, n_groups: 4, base: iid, "
-    "base_options: {n_clients: 300, samples_per_client: 60, test_size: 30}}",
-    "model.name=mclr",
-    "model.options={}",
-    "train={lr: 0.1, batch_size: 32, epochs: 1}",
-    "checkpoint_every=1000",
-    "privacy.clip=0.4",
-    "privacy.delta=1.0e-5",
-]
 ALGORITHMS = {
     "fedavg": "{name: fedavg}",
-    "ifca": "{name: ifca, params: {n_clusters: 4}}",
+    "ifca": "{name: ifca, label: ifca, params: {n_clusters: 4}}",
     "dcfl": "{name: dcfl}",
     "fedgroup": "{name: fedgroup, params: {n_groups: 4}}",
+    # IFCA's good initializer: initial models re-drawn until each is chosen by ≥ 20%
+    "ifca-init": "{name: ifca, label: ifca-init, params: {n_clusters: 4, min_cluster_share: 0.2}}",
 }
-MODES = {  # mode -> (privacy overrides, algorithms it applies to)
-    "local": (["privacy.mode=client"], ("fedavg", "ifca", "dcfl", "fedgroup")),
-    "central": (["privacy.mode=central"], ("fedavg", "ifca")),
-    "sketch": (["privacy.mode=central", "privacy.sketch_dim=256"], ("dcfl", "fedgroup")),
+# FedGroup's round-1 pre-training is one upload more than the rounds.
+BUDGET = "privacy.max_participations=16"
+
+
+@dataclass(frozen=True)
+class Federation:
+    """A federation's overrides of the rotation preset and its DP modes:
+    mode -> (privacy overrides, algorithms it applies to)."""
+
+    sets: tuple[str, ...]
+    modes: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+    out: str
+
+
+def rotation(n_clients: int, samples: int, test: int, train: str, clip: float) -> tuple[str, ...]:
+    return (
+        "data.dataset=fashion-mnist",
+        "data.partition={name: rotation, n_groups: 4, base: iid, base_options: "
+        f"{{n_clients: {n_clients}, samples_per_client: {samples}, test_size: {test}}}}}",
+        "model.name=mclr",
+        "model.options={}",
+        f"train={train}",
+        "checkpoint_every=1000",
+        f"privacy.clip={clip}",
+        "privacy.delta=1.0e-5",
+    )
+
+
+FEDERATIONS = {
+    "clients": Federation(
+        rotation(300, 60, 30, "{lr: 0.1, batch_size: 32, epochs: 1}", 0.4),
+        {
+            "local": (("privacy.mode=client",), ("fedavg", "ifca", "dcfl", "fedgroup")),
+            "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-init")),
+            "sketch": (
+                ("privacy.mode=central", "privacy.sketch_dim=256", BUDGET),
+                ("dcfl", "fedgroup"),
+            ),
+        },
+        "runs/dp-modes",
+    ),
+    "records": Federation(
+        rotation(40, 1500, 250, "{lr: 0.3, batch_size: 64, epochs: 1}", 1.0),
+        {"record": (("privacy.mode=record", BUDGET), ("fedavg", "ifca", "dcfl", "fedgroup"))},
+        "runs/dp-modes-records",
+    ),
 }
 
 
-def settings() -> list[tuple[str, float, tuple[str, ...], list[str]]]:
-    """``(mode, ε, algorithms, overrides)``: one run (one federation) per mode and ε.
-    Under sketches the budget allows FedGroup's round-1 pre-training upload (one
-    more than the rounds); under local DP a client over budget sits its last round out."""
-    out = [("none", math.inf, tuple(ALGORITHMS), [])]
+def settings(fed: Federation) -> list[tuple[str, float, tuple[str, ...], list[str]]]:
+    """``(mode, ε, algorithms, overrides)``: one run (one federation) per mode and ε,
+    and the run without privacy of every algorithm a mode applies to."""
+    every = tuple(a for a in ALGORITHMS if any(a in algs for _, algs in fed.modes.values()))
+    out = [("none", math.inf, every, [])]
     for eps in EPSILONS:
-        for mode, (sets, algorithms) in MODES.items():
-            budget = ["privacy.max_participations=16"] if mode == "sketch" else []
-            out.append((mode, eps, algorithms, [*sets, f"privacy.epsilon={eps}", *budget]))
+        for mode, (sets, algorithms) in fed.modes.items():
+            out.append((mode, eps, algorithms, [*sets, f"privacy.epsilon={eps}"]))
     return out
 
 
@@ -81,11 +129,11 @@ def cell(jobs: list[dict]) -> str:
     return text
 
 
-def table(results: list[dict]) -> str:
+def table(fed: Federation, results: list[dict]) -> str:
     """Rows (mode, algorithm), columns ε; the no-privacy column repeats in every mode;
     the last column counts the seeds of each ε's cell."""
     rows = []
-    for mode, (_, algorithms) in MODES.items():
+    for mode, (_, algorithms) in fed.modes.items():
         for a in algorithms:
             row = {"mode": mode, "algorithm": a}
             seeds = []
@@ -101,27 +149,78 @@ def table(results: list[dict]) -> str:
     return format_table(rows)
 
 
+def geometry(fed: Federation, data_dir: str, epsilon: float, seed: int = 0) -> dict:
+    """Round 1 of record-level DP from the initial model, measured: every client's
+    update without noise (clipped DP-SGD, σ = 0) and with the σ that ``epsilon``
+    calibrates, on the same batches; the group centroids of the noiseless updates,
+    their distances, and where the noisy updates fall (nearest true centroid)."""
+    sets = [*fed.sets, "privacy.mode=record", BUDGET, f"privacy.epsilon={epsilon}"]
+    config = resolve_config(None, "rotation", sets, {"data": {"data_dir": data_dir}})
+    federation = build_federation_for(config, seed)
+    model = model_for(config, federation)
+    sim = simulator_for(config, model, federation, seed)
+    ledger = LocalDP.from_config(config, federation.train_sizes, seed)
+    train = ledger.local_training(LocalTraining(**config.train.model_dump(exclude={"loss"})))
+    clients = np.arange(federation.n_clients)
+    start = init_row(model, seed, "init")
+    noisy = sim.train(clients, start, train, rnd=1).rows - start
+    clean_train = replace(train, dp=replace(train.dp, noise_multiplier=0.0))
+    clean = sim.train(clients, start, clean_train, rnd=1).rows - start
+    groups = np.asarray(federation.groups)
+    centroids = torch.stack([clean[groups == g].mean(dim=0) for g in np.unique(groups)])
+    between = torch.cdist(centroids, centroids)
+    off = between[~torch.eye(len(centroids), dtype=torch.bool)]
+    nearest = torch.cdist(noisy, centroids).argmin(dim=1).numpy()
+    return {
+        "sigma": float(ledger.noise_multiplier[0]),
+        "sample_rate": float(ledger.sample_rate[0]),
+        "steps_per_upload": int(ledger.release_cost[0]),
+        "clean_norm_median": clean.norm(dim=1).median().item(),
+        "noise_norm_median": (noisy - clean).norm(dim=1).median().item(),
+        "spread_to_centroid_mean": (clean - centroids[groups]).norm(dim=1).mean().item(),
+        "centroid_distance_min": off.min().item(),
+        "centroid_distance_max": off.max().item(),
+        "centroid_cosine_max": max(
+            torch.nn.functional.cosine_similarity(centroids[i], centroids[j], dim=0).item()
+            for i in range(len(centroids))
+            for j in range(i + 1, len(centroids))
+        ),
+        "noisy_misplaced": float(np.mean(nearest != groups)),
+    }
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.set_defaults(seeds=3, rounds=15, out="runs/dp-modes")
-    p.add_argument("--modes", default="none,local,central,sketch", help="comma-separated subset")
+    p.set_defaults(seeds=3, rounds=15, out=None)
+    p.add_argument("--federation", choices=sorted(FEDERATIONS), default="clients")
+    p.add_argument("--modes", default=None, help="comma-separated subset (default: all, none)")
     p.add_argument("--eps", default="1,3,10,30,inf", help="comma-separated subset (inf: none)")
+    p.add_argument(
+        "--geometry",
+        action="store_true",
+        help="print round 1's update geometry under record-level DP at each --eps, and stop",
+    )
     args = p.parse_args()
-    modes = set(args.modes.split(","))
+    fed = FEDERATIONS[args.federation]
     epsilons = {float(e) for e in args.eps.split(",")}
-    out = Path(args.out)
+    if args.geometry:
+        for eps in sorted(e for e in epsilons if not math.isinf(e)):
+            print(f"ε = {eps:g}:", json.dumps(geometry(fed, args.data_dir, eps)), flush=True)
+        return
+    modes = set((args.modes or ",".join(["none", *fed.modes])).split(","))
+    out = Path(args.out or fed.out)
     path = out / "dp_modes.json"
     results: list[dict] = json.loads(path.read_text()) if path.exists() else []
     done = {(r["mode"], r["eps"], r["seed"]) for r in results}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        for mode, eps, algorithms, sets in settings():
+        for mode, eps, algorithms, sets in settings(fed):
             if (mode, eps, seed) in done or mode not in modes or eps not in epsilons:
                 continue
             label = f"{mode}-eps{eps:g}"
             specs = ", ".join(ALGORITHMS[a] for a in algorithms)
             summaries = run_setting(
                 "rotation",
-                [*FEDERATION, f"algorithms=[{specs}]", *sets],
+                [*fed.sets, f"algorithms=[{specs}]", *sets],
                 1,
                 out / label / f"seed{seed}",
                 args.data_dir,
@@ -146,7 +245,7 @@ def main() -> None:
                 )
             save_json(path, results)
             print(label, "seed", seed, "done", flush=True)
-        print(table(results), flush=True)
+        print(table(fed, results), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
+from benchmarks.dp_modes import BUDGET, FEDERATIONS
 from fedcluster.algorithms.base import init_row
 from fedcluster.config import resolve_config
 from fedcluster.dp import (
@@ -107,6 +108,26 @@ def test_prv_calibration_is_the_accountants_answer():
     assert 9.98 < acc.get_epsilon(delta=1e-5) <= 10.0
     assert epsilon_spent(sigma, 1.0, 10, 1e-5, "prv") == acc.get_epsilon(delta=1e-5)
     assert sigma < calibrate_noise(10.0, 1e-5, 1.0, 10, "rdp")  # PRV is the tighter bound
+
+
+def test_record_level_ledger_is_opacus_for_a_known_configuration():
+    """docs/privacy.md's record-level federation (``benchmarks.dp_modes --federation
+    records``): 1,500 samples, B = 64, one epoch, 16 uploads at (ε = 10, δ = 1e-5)."""
+    sets = [*FEDERATIONS["records"].sets, "privacy.mode=record", BUDGET, "privacy.epsilon=10"]
+    dp = LocalDP.from_config(resolve_config(None, "rotation", sets), np.array([1500]), 0)
+    steps, q = 24, 1.0 / 24  # ⌈1500/64⌉ Poisson steps per epoch, each at rate 1/24
+    assert dp.sample_rate.tolist() == [q] and dp.budget.tolist() == [16 * steps]
+    sigma = float(dp.noise_multiplier[0])
+    assert sigma == pytest.approx(0.79, abs=0.01)  # the σ docs/privacy.md states
+    acc = RDPAccountant()
+    acc.history = [(sigma, q, 16 * steps)]
+    assert 9.99 < acc.get_epsilon(delta=1e-5) <= 10.0  # the whole budget spends ε = 10
+    for rnd in (1, 2, 3):
+        dp.record(np.array([0]), torch.tensor([steps]), rnd)
+    acc = RDPAccountant()  # one step at a time, as Opacus' optimizer hook does
+    for _ in range(3 * steps):
+        acc.step(noise_multiplier=sigma, sample_rate=q)
+    assert dp.epsilons()[0] == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
 
 
 # ------------------------------------------------------------------ the noise

@@ -5,11 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL, fix_empty_clusters, jgl_scores
 from fedcluster.clustering.validity import purity
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.models import build_model
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 
@@ -122,3 +125,26 @@ def test_ifca_good_initializer_balances_initial_choice():
     )
     counts = np.bincount(loss.argmin(1).numpy(), minlength=4)
     assert counts.min() >= 3
+
+
+def test_ifca_good_initializer_judges_by_the_loss_the_choice_uses():
+    """IFCA's reference (find_good_initializer) keeps initial models once every cluster
+    holds the share by the loss its choice uses: with ``choice_batches: all`` the mean
+    loss on all of a client's training data, recomputed here with a plain forward pass.
+    (Judged on one mini-batch instead, as before the fix, this seed keeps models whose
+    full-data choice gives one cluster 7 of the 16 clients; seeds 0 and 2 too.)"""
+    fed = rotated_digits(n_groups=2, clients_per_group=8, per_client=80)
+    ctx = make_context(fed, hidden=[16], seed=1)
+    alg = IFCA(IFCA.Params(n_clusters=2, choice_batches="all", min_cluster_share=0.45), ctx)
+    models = alg.init_state().models
+    model = build_model("mlp", fed.input_shape, fed.n_classes, hidden=[16])
+    layout = ParamLayout(model)
+    loss = torch.empty(fed.n_clients, 2)
+    with torch.no_grad():
+        for k in range(2):
+            layout.load_into(model, models[k])
+            for c in range(fed.n_clients):
+                a, b = fed.train_offsets[c], fed.train_offsets[c + 1]
+                loss[c, k] = F.cross_entropy(model(fed.x_train[a:b]), fed.y_train[a:b])
+    counts = np.bincount(loss.argmin(dim=1).numpy(), minlength=2)
+    assert counts.min() >= np.ceil(0.45 * fed.n_clients), counts

@@ -44,7 +44,7 @@ def test_channel_normalisation_uses_the_documented_mean_and_std(
         (raw.train_x, raw.train_y, normalised.train),
         (raw.test_x, raw.test_y, normalised.test),
     ):
-        rows = slice(0, len(labels), 97)  # every class (the zip is sorted by class)
+        rows = slice(0, len(labels), 97)
         expected = (pixels[rows] / 255.0 - _per_channel(cifar.MEAN)) / _per_channel(cifar.STD)
         np.testing.assert_allclose(split.x[rows].numpy(), expected, atol=1e-5)
         assert np.array_equal(split.y.numpy(), labels)

@@ -170,6 +170,10 @@ def test_cifar10_from_zip(shared_dataset: GetDataset, shared_data_dir: Path) -> 
     # are 0.491, 0.482, 0.447 in [0, 1], about 0 after (x - MEAN) / STD
     means = ds.train.x.mean(dim=(0, 2, 3))
     assert torch.allclose(means, torch.zeros(3), atol=0.01), means
+    # The zip's files are numbered per class; loaded in tree_order, IFCA's 20 test
+    # clients (the test split in order) each hold every class, as with the official order.
+    for chunk in torch.tensor_split(ds.test.y, 20):
+        assert _counts(chunk, 10).count(0) == 0
 
 
 def test_digits() -> None:
@@ -444,7 +448,7 @@ def _fake_cifar_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     rng = np.random.default_rng(1)
     train_x = rng.integers(0, 256, (10, 3, 32, 32), dtype=np.uint8)
     test_x = rng.integers(0, 256, (4, 3, 32, 32), dtype=np.uint8)
-    # Labels sorted, so that an image-folder tree (read class by class) keeps the order.
+    # Labels sorted: an image-folder tree of them, sorted by class, is in this order too.
     return train_x, np.arange(10), test_x, np.array([1, 1, 3, 4])
 
 
@@ -472,8 +476,18 @@ def _pixels(x: torch.Tensor) -> np.ndarray:
     return ((x * std + mean) * 255).round().numpy().astype(np.uint8)
 
 
-def _check_fake_cifar(ds: Dataset) -> None:
+def _check_fake_cifar(ds: Dataset, tree: bool = False) -> None:
+    """``ds`` holds the fake arrays: in their order from the official forms, in
+    :func:`cifar.tree_order` from an image tree (``tree``)."""
     train_x, train_y, test_x, test_y = _fake_cifar_arrays()
+    if tree:
+        train, test = cifar.tree_order(len(train_y)), cifar.tree_order(len(test_y))
+        train_x, train_y, test_x, test_y = (
+            train_x[train],
+            train_y[train],
+            test_x[test],
+            test_y[test],
+        )
     assert ds.classes == _CLASSES and ds.test is not None
     assert np.array_equal(_pixels(ds.train.x), train_x)
     assert ds.train.y.tolist() == train_y.tolist()
@@ -551,18 +565,52 @@ def test_cifar_image_tree_and_zip_cached(tmp_path: Path, monkeypatch: pytest.Mon
         n_cached = len(list(cache.glob("*.npz")))
         again = load_dataset("cifar10", root)
         assert len(list(cache.glob("*.npz"))) == n_cached
-        _check_fake_cifar(first)
-        _check_fake_cifar(again)
+        _check_fake_cifar(first, tree=True)
+        _check_fake_cifar(again, tree=True)
         assert _listing(root) == before  # nothing written into the data root
     assert len(list(cache.glob("*.npz"))) == 2
     # A garbled cache entry is rebuilt, a changed source gets a new entry.
     for entry in cache.glob("*.npz"):
         entry.write_bytes(b"garbage")
-    _check_fake_cifar(load_dataset("cifar10", zip_root))
+    _check_fake_cifar(load_dataset("cifar10", zip_root), tree=True)
     os.utime(zip_root / "cifar10" / cifar.IMAGES_ZIP, ns=(0, 0))
-    _check_fake_cifar(load_dataset("cifar10", zip_root))
+    _check_fake_cifar(load_dataset("cifar10", zip_root), tree=True)
     assert len(list(cache.glob("*.npz"))) == 3
     assert not list(cache.glob("*.tmp"))
+
+
+def test_cifar_image_tree_comes_in_a_fixed_mixed_order(tmp_path: Path) -> None:
+    """An image tree's files are numbered per class (as in shared/data's zip): each
+    loaded split is the class-sorted one reordered by the fixed tree_order, so cutting
+    the test split in order (IFCA's test clients) gives chunks of several classes, and
+    two loads (decoded, then from the cache) agree."""
+    rng = np.random.default_rng(7)
+    per_class = {"train": 2, "test": 6}
+    # class-sorted arrays, as the files are numbered: class c, file k
+    images = {
+        s: rng.integers(0, 256, (10 * n, 3, 32, 32), dtype=np.uint8) for s, n in per_class.items()
+    }
+    labels = {s: np.repeat(np.arange(10), n) for s, n in per_class.items()}
+    for split, n in per_class.items():
+        for row, (x, y) in enumerate(zip(images[split], labels[split], strict=True)):
+            _write(tmp_path / "cifar10" / split / _CLASSES[y] / f"{row % n:04d}.png", _png(x))
+    cache = tmp_path / "cache"
+    first = cifar.load_cifar10(tmp_path, cache)
+    again = cifar.load_cifar10(tmp_path, cache)
+    assert len(list(cache.glob("*.npz"))) == 1
+    for split in per_class:
+        x, y = getattr(first, f"{split}_x"), getattr(first, f"{split}_y")
+        assert np.array_equal(x, getattr(again, f"{split}_x"))
+        assert np.array_equal(y, getattr(again, f"{split}_y"))
+        # every loaded image is one written, with its label, each written image once
+        written = {img.tobytes(): row for row, img in enumerate(images[split])}
+        rows = np.array([written[img.tobytes()] for img in x])
+        assert sorted(rows.tolist()) == list(range(len(rows)))
+        assert np.array_equal(y, labels[split][rows])
+        assert np.array_equal(rows, cifar.tree_order(len(rows)))
+    # class-sorted, the first of 5 test chunks (12 images) would hold 2 classes
+    first_chunk = np.array_split(first.test_y, 5)[0]
+    assert len(set(first_chunk.tolist())) >= 6, first_chunk
 
 
 def test_cifar_corrupted_zip_member(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,11 @@
-"""The per-cluster mean taken column block by column block equals the gather-then-average formula.
+"""The per-cluster mean, on a cluster's slice of rows or column block by column
+block, equals the gather-then-average formula.
 
 ``cluster_average`` with the mean rule (JGL eq. 7, IFCA's model averaging)
 used to gather each cluster's rows and take ``weighted_average`` of them;
-:func:`fedcluster.engine.flat.group_averages` reads the rows once, a block of
-columns at a time. Every number must stay the same (the golden files pin
+:func:`fedcluster.engine.flat.group_averages` averages a cluster whose rows are
+consecutive on their slice (no copy) and the others a block of columns at a
+time. Every number must stay the same (the golden files pin
 them): the tests compare with ``torch.equal``, not a tolerance.
 """
 
@@ -34,12 +36,27 @@ def _gathered(
 SIZES = {0: 17, 1: 1, 2: 600, 4: 2}
 
 
+def _labels(rng: np.random.Generator, order: str) -> np.ndarray:
+    """Cluster labels of the rows: shuffled, each cluster's rows consecutive (rows
+    trained in cluster order), or clusters 2 and 4 consecutive and the rest shuffled."""
+    runs = [np.full(k, c) for c, k in SIZES.items()]
+    if order == "scattered":
+        return rng.permutation(np.concatenate(runs))
+    if order == "consecutive":
+        return np.concatenate([runs[i] for i in rng.permutation(len(runs))])
+    shuffled = rng.permutation(np.concatenate([runs[0], runs[1]]))
+    return np.concatenate([runs[3], shuffled[:9], runs[2], shuffled[9:]])
+
+
+@pytest.mark.parametrize("order", ["scattered", "consecutive", "mixed"])
 @pytest.mark.parametrize("block_bytes", [4 * 64 * 620, 4 * 1000 * 620, flat.GATHER_BYTES])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_cluster_mean_equals_the_gathered_average_exactly(monkeypatch, block_bytes, weighted):
+def test_cluster_mean_equals_the_gathered_average_exactly(
+    monkeypatch, block_bytes, weighted, order
+):
     monkeypatch.setattr(flat, "GATHER_BYTES", block_bytes)
     rng = np.random.default_rng(block_bytes + weighted)
-    labels = rng.permutation(np.concatenate([np.full(k, c) for c, k in SIZES.items()]))
+    labels = _labels(rng, order)
     d = 3_001
     rows = torch.randn(len(labels), d, generator=torch.Generator().manual_seed(int(weighted)))
     previous = torch.randn(5, d)

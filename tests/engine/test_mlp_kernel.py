@@ -111,3 +111,29 @@ def test_a_shared_start_takes_one_product_for_the_group_and_the_same_steps():
     kernel.sgd_deferred(shared, samples, idx, y, weight, 0.3, kernel.deferral(4), same_start=True)
     assert (separate - shared).abs().max().item() <= 1e-6
     assert not torch.equal(shared[0], shared[1])  # the members' own steps
+
+
+@pytest.mark.parametrize("same_start", [False, True])
+def test_writing_the_trained_rows_from_a_separate_start_equals_copying_first(same_start):
+    # Two chunks (the fused copy is the first chunk's update, the second updates in
+    # place) and skipped features (their weights are copied, not updated).
+    kernel, row = _kernel(20, 16, 8, 3)
+    g, steps, batch = 3, 7, 4
+    gen = torch.Generator().manual_seed(4)
+    start = row.expand(g, -1) if same_start else row + 0.1 * torch.randn(g, row.numel())
+    x = torch.randn(g, steps, batch, 20, generator=gen)
+    x[..., :3] = 0.0
+    y = torch.randint(0, 3, (g, steps, batch), generator=gen)
+    weight = torch.full((g, steps, batch), 1.0 / batch)
+    samples, idx = _gathered(x[..., 3:])
+    args = (samples, idx, y, weight, 0.3, kernel.deferral(batch), slice(3, 20))
+    assert kernel.deferral(batch) < steps
+
+    before = start.clone()
+    copied = start.clone()
+    expected = kernel.sgd_deferred(copied, *args, same_start=same_start)
+    written = torch.full_like(copied, float("nan"))  # every entry must be written
+    total = kernel.sgd_deferred(written, *args, same_start=same_start, start=start)
+    assert torch.equal(written, copied)
+    assert torch.equal(total, expected)
+    assert torch.equal(start, before)  # the start is not touched

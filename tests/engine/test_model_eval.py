@@ -173,7 +173,9 @@ def test_bf16_products_train_and_evaluate_close_to_fp32(shared_tests, monkeypatc
     low = Simulator(model, shared_tests, seed=0, precision="bf16")
     ref = Simulator(model, shared_tests, seed=0)
     assert low.kernel.low is torch.bfloat16
+    mode = torch.backends.mkldnn.matmul.fp32_precision
     a, b = low.train(clients, rows[0], cfg, 1).rows, ref.train(clients, rows[0], cfg, 1).rows
+    assert torch.backends.mkldnn.matmul.fp32_precision == mode  # oneDNN's bf16 mode left
     moved = float((b - rows[0]).abs().max())
     assert 0 < float((a - b).abs().max()) <= 2**-4 * moved
     la = low.evaluate_models(clients, rows)[2]

@@ -218,8 +218,13 @@ class ClusterModelAlgorithm(Algorithm):
         for attempt in range(p.max_redraws):
             if attempt:
                 models = self.tie(ctx.fresh_rows(p.n_clusters, f"cluster-init/{attempt}"))
-            loss = self.model_losses(models, clients, 0, "init", measurement=True)["losses"]
+            loss = self.model_losses(
+                models, clients, 0, "init", self.choice_batches(), measurement=True
+            )["losses"]
             counts = np.bincount(loss.argmin(dim=1).numpy(), minlength=p.n_clusters)
+            log.info(
+                "%s: initial models, draw %d: clients per cluster %s", self.name, attempt, counts
+            )
             if counts.min() >= need:
                 return models
         log.warning(
@@ -233,6 +238,11 @@ class ClusterModelAlgorithm(Algorithm):
     def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
         """Cluster choice of the selected clients that answered the decision query."""
         raise NotImplementedError
+
+    def choice_batches(self) -> str:
+        """The data the decision query's losses are measured on (``one`` mini-batch or
+        ``all``); the good initializer judges the initial models by the same losses."""
+        return "one"
 
     def model_losses(
         self,

@@ -47,10 +47,11 @@ class IFCA(ClusterModelAlgorithm):
     name = "ifca"
     Params = IFCAParams
 
+    def choice_batches(self) -> str:
+        return self.params.choice_batches
+
     def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
-        replies = self.model_losses(
-            state.models, selected, rnd, "decide", self.params.choice_batches
-        )
+        replies = self.model_losses(state.models, selected, rnd, "decide", self.choice_batches())
         choice = argmax_random_ties(-replies["losses"], self.tie_rng(rnd))
         return Choice(replies.clients, choice)
 

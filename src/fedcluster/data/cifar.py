@@ -14,6 +14,15 @@ the decoded arrays of forms 3 and 4 are cached as ``.npz`` in a cache folder,
 keyed by the source's path, size and modification time; the data folder
 itself is never written to.
 
+Sample order: forms 1 and 2 keep the official order (``data_batch_1`` .. ``_5``,
+then ``test_batch``), whose classes are mixed. An image tree has no such order
+(its files are numbered per class), and read class by class it would give
+partitions that cut a split in order (IFCA's test clients: the test split in
+chunks) one class per chunk. So forms 3 and 4 are put in a fixed mixed order:
+each split, sorted by (class, file name), is reordered by :func:`tree_order`, a
+permutation that depends on the split's size only (not on the run's seed). It is
+applied after the cache, which holds the sorted arrays.
+
 :data:`MEAN` and :data:`STD` are the per-channel statistics of the 50,000
 official training images in [0, 1], the constants of the usual
 ``transforms.Normalize`` for CIFAR-10; the loader's ``normalize: channel``
@@ -47,6 +56,8 @@ _TEST_BATCH = "test_batch"
 _META = "batches.meta"
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 _CACHE_VERSION = 1
+TREE_ORDER_SEED = 2009
+"""Seed of :func:`tree_order` (the year of the CIFAR-10 report); never the run's seed."""
 MEAN = (0.4914, 0.4822, 0.4465)
 """Per-channel (R, G, B) mean of the official training images in [0, 1]."""
 STD = (0.2470, 0.2435, 0.2616)
@@ -79,10 +90,34 @@ def find_source(folder: Path) -> Path | None:
     return None
 
 
+def tree_order(n: int) -> np.ndarray:
+    """The order of a split of ``n`` images from an image tree: row k of the loaded
+    split is row ``tree_order(n)[k]`` of the split sorted by (class, file name).
+
+    ``np.random.default_rng(TREE_ORDER_SEED).permutation(n)``: fixed, seed-independent.
+    """
+    return np.random.default_rng(TREE_ORDER_SEED).permutation(n)
+
+
+def _mixed(arrays: CifarArrays) -> CifarArrays:
+    """``arrays`` (each split sorted by class) with each split in :func:`tree_order`."""
+    train = tree_order(len(arrays.train_y))
+    test = None if arrays.test_y is None else tree_order(len(arrays.test_y))
+    return CifarArrays(
+        arrays.train_x[train],
+        arrays.train_y[train],
+        None if test is None else arrays.test_x[test],
+        None if test is None else arrays.test_y[test],
+        arrays.classes,
+    )
+
+
 def load_cifar10(folder: Path, cache_dir: Path | None) -> CifarArrays:
     """Load CIFAR-10 from the first source found in ``folder`` (see :func:`find_source`).
 
-    ``cache_dir`` holds decoded JPEG sources (None: no caching).
+    The official forms keep the official order; an image tree or zip comes in
+    :func:`tree_order` (see the module docstring). ``cache_dir`` holds decoded JPEG
+    sources (None: no caching).
 
     Raises:
         DataError: no source found, or a file is truncated or corrupted; the
@@ -108,15 +143,17 @@ def load_cifar10(folder: Path, cache_dir: Path | None) -> CifarArrays:
             f"{r}|{s.st_size}|{s.st_mtime_ns}" for r, s in zip(rel, stats, strict=True)
         )
         entries = dict(zip(rel, files, strict=True))
-        return _cached(
-            source,
-            fingerprint,
-            cache_dir,
-            lambda: _from_image_tree(str(source), rel, lambda r: entries[r].read_bytes()),
+        return _mixed(
+            _cached(
+                source,
+                fingerprint,
+                cache_dir,
+                lambda: _from_image_tree(str(source), rel, lambda r: entries[r].read_bytes()),
+            )
         )
     stat = source.stat()
-    return _cached(
-        source, f"{stat.st_size}|{stat.st_mtime_ns}", cache_dir, lambda: _from_zip(source)
+    return _mixed(
+        _cached(source, f"{stat.st_size}|{stat.st_mtime_ns}", cache_dir, lambda: _from_zip(source))
     )
 
 

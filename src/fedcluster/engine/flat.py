@@ -159,28 +159,51 @@ def group_averages(
     ``groups`` [n] labels the rows, ``weights`` [n] weighs them; ``names`` are
     the distinct labels (ascending) and ``means[i]`` [d] equals
     ``weighted_average(rows[groups == names[i]], weights[groups == names[i]])``
-    bit for bit: the same product over the same members in the same order, taken
-    column block by column block. Every output column is reduced over the
-    members alone, so a block's columns come out as they do in the whole
-    product, while only a block of columns is gathered at a time
-    (:data:`GATHER_BYTES`; on a GPU the whole width): the [n, d] rows are read
-    once, instead of copied group by group before the product reads them again.
+    bit for bit: the same product over the same members in the same order.
+    A group whose rows are consecutive (``rows`` arrive ordered by group, as
+    :class:`~fedcluster.algorithms.cluster_models.ClusterModelAlgorithm` trains
+    them) is averaged on its slice of ``rows``, read once and not copied: the
+    slice has the gathered copy's shape and strides, so the product is the
+    same. The other groups' products are taken column block by column block:
+    every output column is reduced over the members alone, so a block's
+    columns come out as they do in the whole product, while only a block of
+    columns is gathered at a time (:data:`GATHER_BYTES`; on a GPU the whole
+    width).
     """
     order = np.argsort(groups, kind="stable")
     names, starts, counts = np.unique(groups[order], return_index=True, return_counts=True)
-    perm = torch.as_tensor(order, device=rows.device)
     w = weights[torch.as_tensor(order)]
-    spans = [(s, s + k) for s, k in zip(starts, counts, strict=True)]
-    rows_of = [(lo, hi, _normalised(w[lo:hi], rows.dtype)) for lo, hi in spans]
+    means = rows.new_empty(len(names), rows.shape[1])
+    scattered = []
+    for i, (lo, k) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
+        v = _normalised(w[lo : lo + k], rows.dtype)
+        first = int(order[lo])
+        if order[lo + k - 1] - first == k - 1:  # ascending members: consecutive rows
+            means[i] = v @ rows[first : first + k]
+        else:
+            scattered.append((i, order[lo : lo + k], v))
+    if scattered:
+        _blocked_averages(rows, scattered, means)
+    return names, means
+
+
+def _blocked_averages(
+    rows: torch.Tensor, groups: list[tuple[int, np.ndarray, torch.Tensor]], means: torch.Tensor
+) -> None:
+    """``means[i] = v @ rows[members]`` for each ``(i, members, v)``, a column block of
+    the members' rows gathered at a time (:func:`group_averages`)."""
+    perm = torch.as_tensor(np.concatenate([m for _, m, _ in groups]), device=rows.device)
+    spans, lo = [], 0
+    for i, members, v in groups:
+        spans.append((i, lo, lo + len(members), v))
+        lo += len(members)
     dim = rows.shape[1]
     width = GATHER_BYTES // (rows.element_size() * max(len(perm), 1))
     width = dim if rows.device.type != "cpu" else max(width, 64)
-    means = rows.new_empty(len(names), dim)
     for c0 in range(0, dim, width):
         block = rows[:, c0 : c0 + width].index_select(0, perm)
-        for i, (lo, hi, v) in enumerate(rows_of):
-            means[i, c0 : c0 + width] = v @ block[lo:hi]
-    return names, means
+        for i, a, b, v in spans:
+            means[i, c0 : c0 + width] = v @ block[a:b]
 
 
 def broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:

@@ -49,8 +49,9 @@ class MLPKernel:
     """Batched cross-entropy SGD for a Linear/ReLU stack.
 
     ``low`` (``torch.bfloat16`` or ``None``) is the dtype of the matrix products of
-    training (:meth:`sgd_step`, :meth:`sgd_deferred`, :meth:`sgd_full_batch`) and
-    of :meth:`logits`: operands rounded to it, float32 accumulation, the result
+    training (:meth:`sgd_step`, :meth:`sgd_deferred`; :meth:`sgd_full_batch` its
+    products over the inputs) and of :meth:`logits`: operands rounded to it,
+    float32 accumulation, the result
     rounded to it and used in float32 (:mod:`fedcluster.engine.precision`);
     ``None`` is plain float32.
     """
@@ -59,6 +60,11 @@ class MLPKernel:
         self.layers = layers
         self.dim = dim
         self.low = low
+
+    @property
+    def fp32(self) -> MLPKernel:
+        """This kernel with float32 products (itself when ``low`` is ``None``)."""
+        return self if self.low is None else MLPKernel(self.layers, self.dim)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as a product operand (rounded to ``low``, else itself)."""
@@ -80,6 +86,16 @@ class MLPKernel:
             c.baddbmm_(a, b, alpha=alpha)
         else:
             c.add_(torch.bmm(a.to(self.low), b.to(self.low)), alpha=alpha)
+
+    def _addmm_into(
+        self, out: torch.Tensor, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float
+    ) -> None:
+        """out = c + alpha·(a @ b), c float32: ``out.copy_(c)`` and then
+        :meth:`_baddbmm_`'s update of one member, without the separate pass."""
+        if self.low is None:
+            torch.addmm(c, a, b, alpha=alpha, out=out)
+        else:
+            torch.add(c, torch.mm(a.to(self.low), b.to(self.low)), alpha=alpha, out=out)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.low is None:
@@ -251,12 +267,14 @@ class MLPKernel:
         momentum: float = 0.0,
         buffers: LayerParams | None = None,
         input_gradient: bool = False,
+        gradient_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One SGD step for every group member, in place.
 
         Returns the batch losses [G] and, with ``input_gradient``, the loss
         gradient w.r.t. ``x`` masked by ``x > 0`` (``x`` is then a ReLU's output
-        and this is the gradient w.r.t. the ReLU's input), else ``None``.
+        and this is the gradient w.r.t. the ReLU's input; written into
+        ``gradient_out`` when given), else ``None``.
         Layers below ``first_trainable`` are frozen (FedAvg+FT fine-tunes only
         the classifier). With ``mu`` > 0 the FedProx gradient mu·(w − anchor)
         is added for the ``active`` members (those that have a batch this step).
@@ -297,7 +315,7 @@ class MLPKernel:
                 self._baddbmm_(w, h.transpose(1, 2), d, -lr)
                 b.sub_(d.sum(dim=1), alpha=lr)
             if dh is not None:
-                d = _relu_backward(dh, h)
+                d = _relu_backward(dh, h, gradient_out if i == first_trainable else None)
         return loss, (d if input_gradient else None)
 
     def deferral(self, batch_size: int) -> int:
@@ -323,9 +341,17 @@ class MLPKernel:
         features: slice | None = None,
         grams: Callable[[torch.Tensor], torch.Tensor] | None = None,
         same_start: bool = False,
+        start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Plain SGD through all steps of a group, in place on ``rows`` [G, d];
         returns each member's summed batch losses [G].
+
+        ``start`` [G, d] (default: ``rows`` itself) holds the members' starting
+        parameters when ``rows`` does not yet: the trained rows are then written
+        into ``rows`` without a separate copy of the first layer's weights (86% of
+        JGL's MLP), whose first update writes them member by member
+        (``addmm(start, Δᵀ, X, out=rows)``) while the member's weights are in
+        cache, with the same arithmetic as copying first and updating in place.
 
         Step s of member g uses the samples ``samples[idx[g, s]]`` with labels
         ``y[g, s]`` and row weights ``weight[g, s]`` (as in
@@ -359,9 +385,23 @@ class MLPKernel:
         """
         g, n_steps, _ = weight.shape
         first = self.layers[0]
-        w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
+        kept = features or slice(None)
+        w1 = rows[:, first.weight].view(g, *first.shape)[:, :, kept]
+        source = w1  # the first layer's weights the next chunk starts from
+        if start is None:
+            start = rows
+        if start is not rows:
+            # The first layer's bias and skipped weights now; its kept weights come with
+            # the first update, the upper layers with pack (detect: a row holds nothing else).
+            rows[:, first.bias] = start[:, first.bias]
+            skipped = rows[:, first.weight].view(g, *first.shape)
+            begin = start[:, first.weight].view(g, *first.shape)
+            skipped[:, :, : kept.start or 0] = begin[:, :, : kept.start or 0]
+            if kept.stop is not None:
+                skipped[:, :, kept.stop :] = begin[:, :, kept.stop :]
+            source = begin[:, :, kept]
         b1 = rows[:, first.bias]
-        upper = self.unpack(rows, from_layer=1)
+        upper = self.unpack(start, from_layer=1)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
         widths = (weight > 0).sum(dim=2).amax(dim=0).tolist()
         for c in range(0, n_steps, chunk):
@@ -371,9 +411,9 @@ class MLPKernel:
             x = self._cast(x)
             gram = grams(chosen) if grams is not None else None
             if c == 0 and same_start:  # one product for the whole group
-                pre = self._mm(x.view(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
+                pre = self._mm(x.view(-1, x.shape[2]), source[0].t()).view(g, x.shape[1], -1)
             else:
-                pre = self._bmm(x, w1.transpose(1, 2))
+                pre = self._bmm(x, source.transpose(1, 2))
             deltas = torch.empty_like(pre)
             lo = 0
             for s in steps:
@@ -388,15 +428,28 @@ class MLPKernel:
                     self._baddbmm_(z, block, deltas[:, :lo], -lr)
                 ys, ws = y[:, s, : widths[s]], weight[:, s, : widths[s]]
                 if upper:
-                    loss, d = self.sgd_step(upper, torch.relu(z), ys, ws, lr, input_gradient=True)
+                    loss, d = self.sgd_step(
+                        upper,
+                        torch.relu(z),
+                        ys,
+                        ws,
+                        lr,
+                        input_gradient=True,
+                        gradient_out=deltas[:, lo:hi],
+                    )
                     assert d is not None
                 else:
                     loss, d = self.loss_and_dlogits(z, ys, ws)
-                deltas[:, lo:hi] = d
+                    deltas[:, lo:hi] = d
                 b1.sub_(d.sum(dim=1), alpha=lr)
                 total += loss
                 lo = hi
-            self._baddbmm_(w1, deltas.transpose(1, 2), x, -lr)
+            if source is w1:
+                self._baddbmm_(w1, deltas.transpose(1, 2), x, -lr)
+            else:
+                for m in range(g):  # what baddbmm_ does on these strided rows, copy fused
+                    self._addmm_into(w1[m], source[m], deltas[m].t(), x[m], -lr)
+                source = w1
         self.pack(upper, rows, from_layer=1)
         return total
 
@@ -432,29 +485,33 @@ class MLPKernel:
         deferral is exact; only the order of float additions differs from SGD
         step by step (tested against the per-client loop). The upper layers take
         ordinary steps (:meth:`sgd_step`).
+
+        With ``low`` the two products over the inputs, X W_0ᵀ and D_Sᵀ X
+        (n·f·h multiply-adds each), take operands cast to it, ``x`` once per group.
+        The per-step products (the n × n Gram correction, the upper layers: for
+        IFCA's 784-200-10 MLP the 200 → 10 classifier) are float32 calls, without
+        a cast kernel around each of them every step; the simulator runs this
+        route under :func:`~fedcluster.engine.precision.float32_products_in`, so
+        on the CPU oneDNN takes their operands in ``low`` as well.
         """
         g, n_steps, _ = weight.shape
         first = self.layers[0]
         w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
         b1 = rows[:, first.bias]
         upper = self.unpack(rows, from_layer=1)
-        x, gram = self._cast(x), self._cast(gram)
+        x = self._cast(x)  # once per group: the same inputs every step
         if same_start:  # one product for the whole group
             pre = self._mm(x.reshape(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
         else:
             pre = self._bmm(x, w1.transpose(1, 2))
         summed = torch.zeros_like(pre)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
+        exact = self.fp32  # the per-step products are too small to gain from ``low``
         for s in range(n_steps):
-            if self.low is None:
-                z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
-            else:
-                z = pre.clone()
-                if s:
-                    self._baddbmm_(z, gram, summed, -lr)
+            z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
             z.add_(b1.unsqueeze(1))
             if upper:
-                loss, d = self.sgd_step(
+                loss, d = exact.sgd_step(
                     upper, torch.relu(z), y, weight[:, s], lr, input_gradient=True
                 )
                 assert d is not None
@@ -570,7 +627,12 @@ class MLPKernel:
         return loss, sq, dot
 
 
-def _relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _relu_backward(
+    grad: torch.Tensor, out: torch.Tensor, into: torch.Tensor | None = None
+) -> torch.Tensor:
     """``grad`` where the ReLU output ``out`` is positive, else 0 (autograd's own
-    ReLU backward; one pass, where ``grad.mul_(out > 0)`` makes three)."""
-    return torch.ops.aten.threshold_backward(grad, out, 0.0)
+    ReLU backward; one pass, where ``grad.mul_(out > 0)`` makes three), written
+    into ``into`` when given (no copy of a new tensor)."""
+    if into is None:
+        return torch.ops.aten.threshold_backward(grad, out, 0.0)
+    return torch.ops.aten.threshold_backward.grad_input(grad, out, 0.0, grad_input=into)

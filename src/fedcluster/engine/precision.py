@@ -17,6 +17,8 @@ The default is ``fp32`` (identical to runs before this setting existed).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -71,3 +73,23 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
         )
         return None
     return torch.bfloat16
+
+
+@contextmanager
+def float32_products_in(low: torch.dtype | None) -> Iterator[None]:
+    """While the block runs, float32 matrix products on the CPU take ``low``
+    (bfloat16) operands inside oneDNN and accumulate and return float32 (oneDNN's
+    ``fpmath_mode``, :data:`torch.backends.mkldnn.matmul.fp32_precision`): the
+    products of bfloat16 arithmetic without a cast kernel before or after them.
+    Nothing changes for ``low=None``. The setting is process-wide: enter it in the
+    thread that starts the workers, around all of them."""
+    if low is None:
+        yield
+        return
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before

@@ -51,10 +51,11 @@ from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.computation import ClientComputation, ClientData, Request, Returned
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
+from fedcluster.engine.hugepages import empty_rows_like
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.model_eval import EVAL_ROWS, chunk_stats, distinct_chunks
 from fedcluster.engine.modes import LossFn, loss_or_default, training
-from fedcluster.engine.precision import resolve_precision
+from fedcluster.engine.precision import float32_products_in, resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.threads import usable_workers
 from fedcluster.errors import ConfigError, FedclusterError
@@ -537,7 +538,7 @@ class Simulator(ClientClock):
         kernel = self.kernel
         assert kernel is not None
         n = len(plans)
-        out = torch.empty_like(start)  # every row is written by its group
+        out = empty_rows_like(start)  # every row is written by its group
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
@@ -583,17 +584,19 @@ class Simulator(ClientClock):
             idx, weight = idx.to(self.device), weight.to(self.device)
             rows = torch.as_tensor(members, device=self.device)
             span = _as_range(members)
+            deferred = not full_batch and plain_sgd and deferral > 1
             if span is None:  # train a copy of the rows, then write it back
-                block = start.index_select(0, rows)
+                block = source = start.index_select(0, rows)
             else:  # train in place in the output
-                block = out[span]
-                block.copy_(start[span])
+                block, source = out[span], start[span]
+                if not deferred:  # the deferred path writes its rows itself
+                    block.copy_(source)
             if full_batch:  # every step on all samples: IFCA's full-batch steps
                 x, y, gram = self._full_batches(clients[members], weight.shape[2])
                 total = kernel.sgd_full_batch(
                     block, x, y, weight, cfg.lr, gram, self._features, start.stride(0) == 0
                 )
-            elif plain_sgd and deferral > 1:
+            elif deferred:
                 total = kernel.sgd_deferred(
                     block,
                     self._grams.samples,
@@ -605,6 +608,7 @@ class Simulator(ClientClock):
                     self._features,
                     None if grams is None else partial(grams.gather, clients[members]),
                     same_start=start.stride(0) == 0,
+                    start=source,
                 )
             else:
                 step = (group_steps or plain_steps)(members)
@@ -626,7 +630,9 @@ class Simulator(ClientClock):
         workers = self.threads or torch.get_num_threads()
         size = self.group_size or balanced_group_size(n, workers)
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
-        _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
+        # the full-batch route's per-step products take bfloat16 operands inside oneDNN
+        with float32_products_in(self.low if full_batch else None):
+            _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     def _full_batches(
