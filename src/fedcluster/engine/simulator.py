@@ -538,7 +538,6 @@ class Simulator(ClientClock):
         kernel = self.kernel
         assert kernel is not None
         n = len(plans)
-        out = empty_rows_like(start)  # every row is written by its group
         losses = torch.full((n,), float("nan"))
         steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
@@ -578,6 +577,10 @@ class Simulator(ClientClock):
 
         sizes = self.federation.train_sizes[clients]
         full_batch = plain_sgd and all(len(b) == sizes[i] for i, p in enumerate(plans) for b in p)
+        # every row is written by its group; huge pages pay on the mini-batch routes (fewer
+        # page faults), not on the full-batch route (measured 1.3 s slower on IFCA's 1.5 GB
+        # block, docs/benchmarks.md "Roofline on AVX-512")
+        out = torch.empty_like(start) if full_batch else empty_rows_like(start)
 
         def run_group(members: np.ndarray) -> None:
             idx, weight = _stack_plans([plans[m] for m in members])
