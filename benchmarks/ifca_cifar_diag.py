@@ -78,33 +78,37 @@ def write_rows(path: Path, rows: list[list[Any]], mode: str) -> None:
         csv.writer(f).writerows(rows)
 
 
-def describe(groups: np.ndarray, losses: np.ndarray) -> str:
-    """One line: per group, the share choosing each model and each model's mean loss."""
-    parts = []
+def group_stats(
+    groups: np.ndarray, losses: np.ndarray
+) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    """Per rotation group of one query: the group, its clients, the share of them
+    choosing each model and each model's mean loss."""
+    stats = []
     for g in np.unique(groups):
         sel = losses[groups == g]
         share = np.bincount(sel.argmin(axis=1), minlength=losses.shape[1]) / len(sel)
-        parts.append(
-            f"group {g}: chose "
-            + "/".join(f"{s:.2f}" for s in share)
-            + " loss "
-            + "/".join(f"{v:.3f}" for v in sel.mean(axis=0))
-        )
-    return " | ".join(parts)
+        stats.append((int(g), len(sel), share, sel.mean(axis=0)))
+    return stats
+
+
+def describe(groups: np.ndarray, losses: np.ndarray) -> str:
+    """One line: per group, the share choosing each model and each model's mean loss."""
+    return " | ".join(
+        f"group {g}: chose "
+        + "/".join(f"{s:.2f}" for s in share)
+        + " loss "
+        + "/".join(f"{v:.3f}" for v in mean)
+        for g, _, share, mean in group_stats(groups, losses)
+    )
 
 
 def group_rows(rnd: int, kind: str, groups: np.ndarray, losses: np.ndarray) -> list[list[Any]]:
     """groups.csv rows of one query: per group the clients, the share choosing each
     model and each model's mean loss."""
-    k = losses.shape[1]
-    rows = []
-    for g in np.unique(groups):
-        sel = losses[groups == g]
-        share = np.bincount(sel.argmin(axis=1), minlength=k) / len(sel)
-        rows.append(
-            [rnd, kind, int(g), len(sel), *np.round(share, 3), *np.round(sel.mean(axis=0), 4)]
-        )
-    return rows
+    return [
+        [rnd, kind, g, n, *np.round(share, 3), *np.round(mean, 4)]
+        for g, n, share, mean in group_stats(groups, losses)
+    ]
 
 
 def instrument(log: ChoiceLog) -> None:

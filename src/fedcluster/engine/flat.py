@@ -160,9 +160,9 @@ def group_averages(
     the distinct labels (ascending) and ``means[i]`` [d] equals
     ``weighted_average(rows[groups == names[i]], weights[groups == names[i]])``
     bit for bit: the same product over the same members in the same order.
-    A group whose rows are consecutive (``rows`` arrive ordered by group, as
-    :class:`~fedcluster.algorithms.cluster_models.ClusterModelAlgorithm` trains
-    them) is averaged on its slice of ``rows``, read once and not copied: the
+    A group whose rows are consecutive (a single group, or ``rows`` ordered by
+    group; IFCA's trained rows are in client order, so its clusters are mostly
+    scattered) is averaged on its slice of ``rows``, read once and not copied: the
     slice has the gathered copy's shape and strides, so the product is the
     same. The other groups' products are taken column block by column block:
     every output column is reduced over the members alone, so a block's
