@@ -13,11 +13,6 @@ tau = 10 full-batch steps at lr 0.1. One IFCA round is timed part by part:
 4. evaluation: the own-loss test protocol (every client's test chunk under
    every model, :func:`fedcluster.algorithms.evaluation.own_loss_evaluate`).
 
-Beside the round (not part of it): the aggregation timed again on the same
-trained rows stored cluster by cluster, as they are once IFCA's clusters are
-the rotation groups (consecutive clients) -- the average then reads each
-cluster's rows in place -- and checked to give the same models bit for bit.
-
 Against it, in the same process, the same round written the way IFCA's reference
 code works: per client, the K models evaluated one by one (``loss.item()``,
 correct counts), a ``copy.deepcopy`` of the chosen model trained with autograd
@@ -116,29 +111,7 @@ def fast_round(sim: Simulator, models: torch.Tensor, cfg, rnd: int) -> dict:
     result, _ = own_loss_evaluate(ctx, clients, new, rnd)
     t4 = _stamp()
     accuracy = float(result.correct.sum() / result.count.sum())
-    ordered = ordered_aggregation(trained.rows, choice, models, new)
-    return _parts(t0, t1, t2, t3, t4) | {
-        "models": new,
-        "choice": choice,
-        "accuracy": accuracy,
-        "aggregate_cluster_ordered_s": ordered,
-    }
-
-
-def ordered_aggregation(
-    rows: torch.Tensor, choice: np.ndarray, models: torch.Tensor, expected: torch.Tensor
-) -> float:
-    """Seconds of the same per-cluster average on the trained rows stored cluster by
-    cluster (each cluster's rows consecutive, averaged on their slice without a
-    gather); the rows are reordered outside the timer, and the result must equal
-    ``expected`` (the average of the rows in client order) to the last bit."""
-    order = np.argsort(choice, kind="stable")
-    grouped = rows[torch.as_tensor(order, device=rows.device)]
-    t0 = _stamp()
-    new = cluster_average(grouped, choice[order], models)
-    seconds = _stamp() - t0
-    assert torch.equal(new, expected), "the average of cluster-ordered rows differs"
-    return seconds
+    return _parts(t0, t1, t2, t3, t4) | {"models": new, "choice": choice, "accuracy": accuracy}
 
 
 def reference_round(
@@ -263,7 +236,6 @@ def main(argv: list[str] | None = None) -> dict:
         assert diff <= 1e-3 or not fp32, f"cluster models differ by {diff}"
     keys = ("choice_s", "train_s", "aggregate_s", "evaluate_s", "round_s")
     sim_t = {k: statistics.median(f[k] for f in fast) for k in keys}
-    ordered = statistics.median(f["aggregate_cluster_ordered_s"] for f in fast)
     ref_t = {k: ref[k] * scale for k in keys}
     out = {
         "machine": machine_info(),
@@ -279,7 +251,6 @@ def main(argv: list[str] | None = None) -> dict:
         "reference_clients_timed": len(subset),
         "reference_scaled_by": scale,
         "speedup_round": ref_t["round_s"] / sim_t["round_s"],
-        "aggregate_cluster_ordered_s": ordered,
         "max_model_difference": diff,
         "choices_other_than_reference": other_choices,
         "accuracy_after_round": fast[0]["accuracy"],
@@ -293,10 +264,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{k[:-2]:<12}{sim_t[k]:>14.3f}{ref_t[k]:>20.3f}{ref_t[k] / sim_t[k]:>8.1f}")
     if scale != 1:
         print(f"(loop timed on {len(subset)} clients, scaled by {scale:.1f})")
-    print(
-        f"aggregate with the trained rows in cluster order: {ordered:.3f} s "
-        f"({ref_t['aggregate_s'] / ordered:.1f}x the loop; not the round's order)"
-    )
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
     return out

@@ -13,7 +13,6 @@ import torch
 
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
-from fedcluster.engine import simulator as simulator_module
 from fedcluster.engine import threads
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.reference import reference_train
@@ -122,7 +121,7 @@ def test_results_do_not_depend_on_how_many_workers_the_load_allows(monkeypatch, 
         def allow(n: int, a: int = allowed, adaptive: bool = True) -> int:
             return min(n, a)
 
-        monkeypatch.setattr(simulator_module, "usable_workers", allow)
+        monkeypatch.setattr(threads, "usable_workers", allow)
         sim = Simulator(model, fed, seed=5, group_size=2, threads=2)
         rows[allowed] = sim.train(clients, start, cfg, rnd=1)
     assert torch.equal(rows[1].rows, rows[2].rows) and torch.equal(rows[1].loss, rows[2].loss)

@@ -22,6 +22,7 @@ every BatchNorm layer's statistics and affine parameters.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from fedcluster.engine.threads import run_on_threads
 
 
 @dataclass(frozen=True)
@@ -146,64 +149,59 @@ def _normalised(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w / w.sum()
 
 
-GATHER_BYTES = 16 << 20
-"""Bytes of the column block :func:`group_averages` gathers at a time: it stays in
-half the last-level cache (32 MiB on the project's EPYC machines) while it is averaged."""
+SCALE_BYTES = 4 << 20
+"""Bytes of the weighted rows a worker of :func:`group_averages` scales at a time
+(one product for a chunk of consecutive rows); they stay in cache until added."""
 
 
 def group_averages(
     rows: torch.Tensor, groups: np.ndarray, weights: torch.Tensor
 ) -> tuple[np.ndarray, torch.Tensor]:
-    """``(names, means)``: each group's :func:`weighted_average` of ``rows`` [n, d].
+    """``(names, means)``: each group's weighted mean of ``rows`` [n, d].
 
     ``groups`` [n] labels the rows, ``weights`` [n] weighs them; ``names`` are
-    the distinct labels (ascending) and ``means[i]`` [d] equals
-    ``weighted_average(rows[groups == names[i]], weights[groups == names[i]])``
-    bit for bit: the same product over the same members in the same order.
-    A group whose rows are consecutive (a single group, or ``rows`` ordered by
-    group; IFCA's trained rows are in client order, so its clusters are mostly
-    scattered) is averaged on its slice of ``rows``, read once and not copied: the
-    slice has the gathered copy's shape and strides, so the product is the
-    same. The other groups' products are taken column block by column block:
-    every output column is reduced over the members alone, so a block's
-    columns come out as they do in the whole product, while only a block of
-    columns is gathered at a time (:data:`GATHER_BYTES`; on a GPU the whole
-    width).
+    the distinct labels (ascending). ``means[i]`` is the sum, member after
+    member in row order, of ``v_j * rows[j]`` with ``v`` the group's weights
+    divided by their sum: every product rounded, then added to the running sum
+    (no fused multiply-add). Elementwise IEEE products and sums make this the
+    same bits on every CPU and GPU, whatever the thread count; on the project's
+    EPYC it is also what :func:`weighted_average` (MKL's gemv) gives for the
+    group's rows, so the golden files did not move when it replaced the gather.
+
+    The rows are read once, in order, however scattered the groups are (IFCA's
+    trained rows are in client order, its clusters spread over them), like the
+    IFCA-style loop reads each model once (``benchmarks/bench_ifca.py``). The
+    columns are split between worker threads (:func:`~fedcluster.engine.threads.
+    run_on_threads`); a worker scales a chunk of consecutive rows by one product
+    into a cached block (:data:`SCALE_BYTES`) and adds each scaled row to its
+    group's sum.
     """
-    order = np.argsort(groups, kind="stable")
-    names, starts, counts = np.unique(groups[order], return_index=True, return_counts=True)
-    w = weights[torch.as_tensor(order)]
-    means = rows.new_empty(len(names), rows.shape[1])
-    scattered = []
-    for i, (lo, k) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
-        v = _normalised(w[lo : lo + k], rows.dtype)
-        first = int(order[lo])
-        if order[lo + k - 1] - first == k - 1:  # ascending members: consecutive rows
-            means[i] = v @ rows[first : first + k]
-        else:
-            scattered.append((i, order[lo : lo + k], v))
-    if scattered:
-        _blocked_averages(rows, scattered, means)
+    names, inverse = np.unique(groups, return_inverse=True)
+    means = rows.new_zeros(len(names), rows.shape[1])
+    if not len(groups):
+        return names, means
+    weights = weights.cpu()
+    scale = torch.empty(len(groups), dtype=rows.dtype)
+    for i in range(len(names)):
+        members = torch.as_tensor(np.flatnonzero(inverse == i))
+        scale[members] = _normalised(weights[members], rows.dtype)
+    scale = scale.to(rows.device)
+    owner = inverse.tolist()
+
+    def average_columns(cols: slice) -> None:
+        part, sums = rows[:, cols], means[:, cols]
+        chunk = max(1, SCALE_BYTES // max(part.element_size() * part.shape[1], 1))
+        block = part.new_empty(min(chunk, len(owner)), part.shape[1])
+        for lo in range(0, len(owner), chunk):
+            hi = min(lo + chunk, len(owner))
+            scaled = torch.mul(part[lo:hi], scale[lo:hi, None], out=block[: hi - lo])
+            for j in range(hi - lo):
+                sums[owner[lo + j]] += scaled[j]
+
+    workers = torch.get_num_threads() if rows.device.type == "cpu" else 1
+    bounds = np.linspace(0, rows.shape[1], min(workers, rows.shape[1]) + 1).astype(int)
+    run_on_threads(average_columns, [slice(a, b) for a, b in itertools.pairwise(bounds)], workers)
     return names, means
-
-
-def _blocked_averages(
-    rows: torch.Tensor, groups: list[tuple[int, np.ndarray, torch.Tensor]], means: torch.Tensor
-) -> None:
-    """``means[i] = v @ rows[members]`` for each ``(i, members, v)``, a column block of
-    the members' rows gathered at a time (:func:`group_averages`)."""
-    perm = torch.as_tensor(np.concatenate([m for _, m, _ in groups]), device=rows.device)
-    spans, lo = [], 0
-    for i, members, v in groups:
-        spans.append((i, lo, lo + len(members), v))
-        lo += len(members)
-    dim = rows.shape[1]
-    width = GATHER_BYTES // (rows.element_size() * max(len(perm), 1))
-    width = dim if rows.device.type != "cpu" else max(width, 64)
-    for c0 in range(0, dim, width):
-        block = rows[:, c0 : c0 + width].index_select(0, perm)
-        for i, a, b, v in spans:
-            means[i, c0 : c0 + width] = v @ block[a:b]
 
 
 def broadcast_rows(rows: torch.Tensor, n: int, dim: int) -> torch.Tensor:

@@ -34,7 +34,6 @@ import copy
 import math
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -57,7 +56,7 @@ from fedcluster.engine.model_eval import EVAL_ROWS, chunk_stats, distinct_chunks
 from fedcluster.engine.modes import LossFn, loss_or_default, training
 from fedcluster.engine.precision import float32_products_in, resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
-from fedcluster.engine.threads import usable_workers
+from fedcluster.engine.threads import run_on_threads
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.rng import torch_rng
 
@@ -361,7 +360,7 @@ class Simulator(ClientClock):
         # Longest plans first, one client per job, so the workers finish together.
         order = np.argsort(-np.array([len(p) for p in plans]), kind="stable")
         jobs = [order[j : j + 1] for j in range(len(order))]
-        _run_on_threads(run, jobs, threads, adaptive=self.threads is None)
+        run_on_threads(run, jobs, threads, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     def _plain_gradient(
@@ -635,7 +634,7 @@ class Simulator(ClientClock):
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
         # the full-batch route's per-step products take bfloat16 operands inside oneDNN
         with float32_products_in(self.low if full_batch else None):
-            _run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
+            run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
         return TrainResult(out, losses, steps)
 
     def _full_batches(
@@ -929,40 +928,6 @@ def _as_range(members: np.ndarray) -> slice | None:
 def _expected_batch(n_samples: int, batch_size: int) -> float:
     """Expected Poisson batch size q·n with q = 1/⌈n/B⌉ (the DP-SGD denominator)."""
     return n_samples / max(1, math.ceil(n_samples / batch_size))
-
-
-def _run_on_threads(
-    run: Callable[[np.ndarray], None],
-    groups: list[np.ndarray],
-    threads: int,
-    adaptive: bool = True,
-) -> None:
-    """``run(group)`` for every group, on up to ``threads`` worker threads.
-
-    Each worker runs single-threaded operators (PyTorch releases the GIL inside
-    them): small batched products keep a core busier this way than split
-    across cores inside one product. Groups write disjoint rows, and each
-    group's arithmetic does not depend on the thread, so results are identical.
-    Fewer workers start where the affinity mask has fewer CPUs or, with
-    ``adaptive`` (the simulator's default thread count), where other processes
-    keep some busy (:func:`~fedcluster.engine.threads.usable_workers`).
-    """
-    if min(threads, len(groups)) <= 1:
-        for group in groups:
-            run(group)
-        return
-    workers = min(usable_workers(threads, adaptive=adaptive), len(groups))
-    intra = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        if workers <= 1:  # the load leaves one CPU: the same single-threaded jobs in turn
-            for group in groups:
-                run(group)
-        else:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(run, groups))
-    finally:
-        torch.set_num_threads(intra)
 
 
 def _replicate_batch(

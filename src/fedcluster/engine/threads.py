@@ -2,7 +2,7 @@
 
 Issue 14 item 6 ("graceful under load"). The simulator runs client groups on
 worker threads, each with one intra-op thread (:func:`fedcluster.engine.
-simulator._run_on_threads`). A worker that shares its core with another
+threads.run_on_threads`). A worker that shares its core with another
 CPU-bound process still makes progress, but the round ends only when the last
 group does, and more runnable threads than free cores only add context
 switches. So the number of workers actually started is
@@ -28,7 +28,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+Job = TypeVar("Job")
 
 MIN_WINDOW_S = 0.1
 """Load looks closer together than this reuse the previous estimate (``/proc/stat``
@@ -136,3 +143,35 @@ def usable_workers(
         return min(requested, cpus)
     busy = min(float(cpus), (monitor or _MONITOR).busy_elsewhere())
     return max(1, min(requested, cpus, int(cpus - busy + 0.5)))
+
+
+def run_on_threads(
+    run: Callable[[Job], None], jobs: Sequence[Job], threads: int, adaptive: bool = True
+) -> None:
+    """``run(job)`` for every job, on up to ``threads`` worker threads.
+
+    Each worker runs single-threaded operators (PyTorch releases the GIL inside
+    them): small operators keep a core busier this way than split across cores
+    inside one operator, and no sleeping OpenMP thread has to be woken for each
+    (passive waiting, above). Jobs write disjoint outputs, and each job's
+    arithmetic does not depend on the thread, so results are identical.
+    Fewer workers start where the affinity mask has fewer CPUs or, with
+    ``adaptive`` (the simulator's default thread count), where other processes
+    keep some busy (:func:`usable_workers`).
+    """
+    if min(threads, len(jobs)) <= 1:
+        for job in jobs:
+            run(job)
+        return
+    workers = min(usable_workers(threads, adaptive=adaptive), len(jobs))
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if workers <= 1:  # the load leaves one CPU: the same single-threaded jobs in turn
+            for job in jobs:
+                run(job)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, jobs))
+    finally:
+        torch.set_num_threads(intra)
