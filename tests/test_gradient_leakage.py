@@ -66,3 +66,16 @@ def test_whole_gradient_leaks_the_image_the_classifier_gradient_does_not(victim)
     # Matching the 160 classifier coordinates fixes the 16 features, not the 64 pixels:
     # the distance falls, the image stays as far from the real one as the noise it began as.
     assert classifier_drop < 1e-3 and classifier_mse > 0.5 * start
+
+
+def test_features_to_pixels_is_the_consistent_image_nearest_the_prior(victim):
+    """The classifier gradient gives the features; the analytic inversion returns an image
+    with the same features, no farther from the prior than the real image (which also has
+    them): the minimum-norm solution of the first layer's equations around the prior."""
+    v, x, _ = victim
+    prior = torch.full_like(x[:1], 0.5)
+    features = v.features(x[:1])
+    guess = v.from_features(features, prior)
+    assert torch.allclose(v.features(guess), features, atol=1e-4)
+    assert (guess - prior).norm() <= (x[:1] - prior).norm() + 1e-5
+    assert image_mse(guess, x[:1]) > 1e-3  # 16 equations do not fix 64 pixels
