@@ -23,11 +23,15 @@ the attacker captures (``SETTINGS``):
 
 Per image and setting it reports the gradient distance (the attack's
 objective, ``Σ (g(x̂) − g)²``, and relative to ``Σ g²``) at iterations
-0/50/100/200/300, the image MSE and PSNR against the real image (pixels in
-[0, 1], the dummy clipped to [0, 1]) and, for the ``classifier`` setting's
-reading, how close the dummy's classifier input ``v`` is to the real one.
+0/50/100/200/300, the image MSE (of the N(0, 1) start and of the result) and
+PSNR against the real image (pixels in [0, 1], the dummy clipped to [0, 1])
+and how close the dummy's classifier input ``v`` is to the real one. What the
+classifier gradient reveals beyond DLG: for one image it is the rank-one
+``(P − e_y) vᵀ``, so it gives the features ``v`` (up to a scale the known
+second layer fixes), and :meth:`Victim.from_features` turns exact features
+into the image nearest the training set's mean image that has them.
 
-    python -m benchmarks.gradient_leakage --images 10 --seed 0 --png docs/img/dlg_cflgt.png
+    python -m benchmarks.gradient_leakage --images 10 --seed 0 --png docs/img/dlg_cflgt_dnn.png
 
 The model is the CFLGT preset's (``cflgt-s1``: Fashion-MNIST, ``dnn``, 784-200-10
 with ReLU) at its initialisation (``init_row(model, seed, "init")``, the round-1
@@ -170,12 +174,11 @@ class Victim:
 def invert(
     victim: Victim,
     capture: Capture,
-    shape: tuple[int, ...],
-    generator: torch.Generator,
+    start: torch.Tensor,
     iterations: int = 300,
     checkpoints: Sequence[int] = CHECKPOINTS,
 ) -> tuple[torch.Tensor, dict[int, float]]:
-    """DLG: L-BFGS (lr 1, as Zhu et al.) on a N(0, 1) dummy image to match the capture.
+    """DLG: L-BFGS (lr 1, as Zhu et al.) on a dummy image from ``start`` to match the capture.
 
     With a strong-Wolfe line search, which DLG's code does not use: without it
     L-BFGS stalls on the ReLU model after a few steps, on the whole gradient too
@@ -185,7 +188,7 @@ def invert(
     ``Σ (observe(dummy) − target)²`` after each checkpoint's number of steps
     (and after the last).
     """
-    dummy = torch.randn((1, *shape), generator=generator).requires_grad_(True)
+    dummy = start.clone().requires_grad_(True)
     opt = torch.optim.LBFGS([dummy], line_search_fn="strong_wolfe")
 
     def distance() -> torch.Tensor:
@@ -239,8 +242,8 @@ def run(
         for s, setting in enumerate(SETTINGS):
             cap = victim.capture(i, setting)
             start = time.perf_counter()
-            gen = torch_rng(seed, "dlg/dummy", i, s)
-            dummy, curve = invert(victim, cap, tuple(x.shape[1:]), gen, iterations)
+            noise = torch.randn(real.shape, generator=torch_rng(seed, "dlg/dummy", i, s))
+            dummy, curve = invert(victim, cap, noise, iterations)
             v = victim.features(dummy)
             mse = image_mse(dummy, real)
             rows.append(
@@ -252,6 +255,7 @@ def run(
                     "coordinates": cap.target.numel(),
                     "distance": curve,
                     "relative_distance": curve[max(curve)] / float(cap.target.pow(2).sum()),
+                    "start_mse": image_mse(noise, real),
                     "mse": mse,
                     "psnr": psnr(mse),
                     "feature_error": float((v - real_v).norm() / real_v.norm()),
@@ -275,9 +279,10 @@ def summary(rows: list[dict]) -> str:
     head = (
         "| setting | coords | label (iDLG) | median distance at "
         + " / ".join(map(str, CHECKPOINTS))
-        + " | relative final | image MSE | PSNR dB | recovered (MSE < 0.001) | feature error |"
+        + " | relative final | image MSE (start) | image MSE | PSNR dB | recovered (MSE < 0.001)"
+        + " | feature error |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for setting in SETTINGS:
         part = [r for r in rows if r["setting"] == setting]
         curve = " / ".join(
@@ -287,6 +292,7 @@ def summary(rows: list[dict]) -> str:
             f"| {setting} | {part[0]['coordinates']:,} | "
             f"{sum(r['label_recovered'] for r in part)}/{len(part)} | {curve} | "
             f"{stat([r['relative_distance'] for r in part], '.2g')} | "
+            f"{stat([r['start_mse'] for r in part], '.4f')} | "
             f"{stat([r['mse'] for r in part], '.4f')} | {stat([r['psnr'] for r in part], '.1f')} | "
             f"{sum(r['mse'] < 1e-3 for r in part)}/{len(part)} | "
             f"{stat([r['feature_error'] for r in part], '.3f')} |"
