@@ -27,9 +27,10 @@ objective, ``Σ (g(x̂) − g)²``, and relative to ``Σ g²``) at iterations
 PSNR against the real image (pixels in [0, 1], the dummy clipped to [0, 1])
 and how close the dummy's classifier input ``v`` is to the real one. What the
 classifier gradient reveals beyond DLG: for one image it is the rank-one
-``(P − e_y) vᵀ``, so it gives the features ``v`` (up to a scale the known
-second layer fixes), and :meth:`Victim.from_features` turns exact features
-into the image nearest the training set's mean image that has them.
+``(P − e_y) vᵀ``, so it gives the direction of the features ``v`` (and
+DLG's dummy matches ``v`` itself); :meth:`Victim.from_features` turns exact
+features (here the real image's) into the image nearest the training set's
+mean image that has them.
 
     python -m benchmarks.gradient_leakage --images 10 --seed 0 --png docs/img/dlg_cflgt_dnn.png
 
