@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcluster.engine.hugepages import HUGE_PAGE, empty_rows_like
+from fedcluster.engine.hugepages import HUGE_PAGE, RowBlocks, empty_rows_like
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -46,3 +46,23 @@ def test_a_large_block_is_eligible_for_huge_pages():
     assert _vma_flags(inner).get("THPeligible") == "1"
     out.fill_(1.0)  # usable as ordinary memory
     assert float(out.sum()) == out.numel()
+
+
+def test_a_dropped_block_is_reused_and_a_held_one_is_not():
+    blocks = RowBlocks()
+    start = torch.zeros(1000).expand(3, -1)
+    first = blocks.empty_like(start)
+    first.fill_(1.0)
+    address = first.data_ptr()
+    view = first[1]  # a view still uses the memory
+    del first
+    second = blocks.empty_like(start)
+    assert second.data_ptr() != address
+    second.fill_(2.0)
+    assert torch.equal(view, torch.ones(1000))  # the held rows keep their values
+    address = second.data_ptr()
+    del second
+    third = blocks.empty_like(start)  # nothing holds the second block now
+    assert third.data_ptr() == address
+    assert third.shape == start.shape and third.dtype == start.dtype and third.is_contiguous()
+    assert blocks.empty_like(torch.zeros(3, 999)).shape == (3, 999)  # another size: fresh

@@ -137,3 +137,30 @@ def test_writing_the_trained_rows_from_a_separate_start_equals_copying_first(sam
     assert torch.equal(written, copied)
     assert torch.equal(total, expected)
     assert torch.equal(start, before)  # the start is not touched
+
+
+def test_a_group_without_steps_writes_its_start_unchanged():
+    kernel, row = _kernel(20, 16, 8, 3)
+    g = 2
+    start = row + 0.1 * torch.randn(g, row.numel(), generator=torch.Generator().manual_seed(5))
+    samples = torch.randn(4, 17)
+    idx = torch.zeros(g, 0, 1, dtype=torch.int64)
+    y = torch.zeros(g, 0, 1, dtype=torch.int64)
+    weight = torch.zeros(g, 0, 1)
+    written = torch.full_like(start, float("nan"))
+    total = kernel.sgd_deferred(written, samples, idx, y, weight, 0.3, 3, slice(3, 20), start=start)
+    assert torch.equal(written, start)
+    assert torch.equal(total, torch.zeros(g))
+
+
+def test_unpacking_a_shared_row_equals_unpacking_its_copies():
+    # nn.Linear's [out, in] weights come out transposed, [in, out], for every member.
+    kernel, row = _kernel(20, 16, 8, 3)
+    own = row + torch.randn(3, row.numel(), generator=torch.Generator().manual_seed(6))
+    for rows in (row.expand(3, -1), own):
+        params = kernel.unpack(rows)
+        for lay, (w, b) in zip(kernel.layers, params, strict=True):
+            for m in range(3):
+                assert torch.equal(w[m], rows[m, lay.weight].view(lay.shape).t())
+                assert torch.equal(b[m], rows[m, lay.bias])
+        assert all(w.is_contiguous() for w, _ in params)

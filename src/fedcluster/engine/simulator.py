@@ -50,7 +50,7 @@ from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.computation import ClientComputation, ClientData, Request, Returned
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
-from fedcluster.engine.hugepages import empty_rows_like
+from fedcluster.engine.hugepages import RowBlocks
 from fedcluster.engine.mlp_kernel import LayerParams, MLPKernel
 from fedcluster.engine.model_eval import EVAL_ROWS, chunk_stats, distinct_chunks
 from fedcluster.engine.modes import LossFn, loss_or_default, training
@@ -136,6 +136,7 @@ class Simulator(ClientClock):
         self._revisions = federation.revisions.copy()
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
         self._grams = GramCache(self._x_flat[:, self._features], federation.train_offsets)
+        self._row_blocks = RowBlocks()  # the mini-batch routes' output, reused across rounds
         self._nonfinite = _nonfinite_clients(self._x_flat, federation.train_offsets)
         self._test_chunks: np.ndarray | None = None  # distinct test sets, on first use
 
@@ -579,7 +580,7 @@ class Simulator(ClientClock):
         # every row is written by its group; huge pages pay on the mini-batch routes (fewer
         # page faults), not on the full-batch route (measured 1.3 s slower on IFCA's 1.5 GB
         # block, docs/benchmarks.md "Roofline on AVX-512")
-        out = torch.empty_like(start) if full_batch else empty_rows_like(start)
+        out = torch.empty_like(start) if full_batch else self._row_blocks.empty_like(start)
 
         def run_group(members: np.ndarray) -> None:
             idx, weight = _stack_plans([plans[m] for m in members])
