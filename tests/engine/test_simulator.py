@@ -13,7 +13,13 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
-from fedcluster.engine.simulator import MAX_GROUP, Simulator, _nonzero_span, balanced_group_size
+from fedcluster.engine.simulator import (
+    MAX_GROUP,
+    Simulator,
+    _nonzero_span,
+    _stack_plans,
+    balanced_group_size,
+)
 from fedcluster.models import build_model
 from tests.helpers import assert_same_training, unequal_clients
 
@@ -255,3 +261,22 @@ def test_default_groups_are_equal_and_keep_every_worker_busy():
             groups = math.ceil(n / size)
             assert 1 <= size <= MAX_GROUP
             assert groups >= min(n, workers)  # no worker idles while another has two groups
+
+
+def test_stacked_plans_put_each_batch_in_its_slot_with_weight_one_over_its_size():
+    gen = torch.Generator().manual_seed(3)
+    plans = [
+        [torch.randint(0, 99, (n,), generator=gen) for n in sizes]
+        for sizes in ([5, 5, 2], [], [4], [5, 3, 1, 1])
+    ]
+    idx, weight = _stack_plans(plans)
+    assert idx.shape == (4, 4, 5) and weight.shape == (4, 4, 5)
+    for g, plan in enumerate(plans):
+        for s in range(4):
+            n = len(plan[s]) if s < len(plan) else 0
+            if n:
+                assert torch.equal(idx[g, s, :n], plan[s])
+                assert torch.equal(weight[g, s, :n], torch.full((n,), 1.0 / n))
+            assert not idx[g, s, n:].any() and not weight[g, s, n:].any()  # padding
+    empty_idx, empty_weight = _stack_plans([[], []])
+    assert empty_idx.shape == (2, 0, 1) and not empty_weight.numel()
