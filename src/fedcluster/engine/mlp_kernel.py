@@ -144,18 +144,18 @@ class MLPKernel:
         2-D transpose: one copy of the [G, in, out] view ran 3x slower), once for
         all members when they share one row (``rows.stride(0) == 0``)."""
         g = rows.shape[0]
-        per_member = rows.device.type == "cpu"
-        shared = per_member and g > 1 and rows.stride(0) == 0
         params = []
         for lay in self.layers[from_layer:]:
             src = rows[:, lay.weight].reshape(g, *lay.shape).transpose(1, 2)
             w = torch.empty(src.shape, dtype=rows.dtype, device=rows.device)
-            if not per_member:
+            if rows.device.type != "cpu":
                 w.copy_(src)
-            for m in range(1 if shared else g if per_member else 0):
-                w[m].copy_(src[m])
-            if shared:
+            elif g > 1 and rows.stride(0) == 0:  # one row for all
+                w[0].copy_(src[0])
                 w[1:] = w[0]
+            else:
+                for m in range(g):
+                    w[m].copy_(src[m])
             params.append((w, rows[:, lay.bias].clone()))
         return params
 
