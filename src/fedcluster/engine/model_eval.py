@@ -37,21 +37,28 @@ EVAL_ROWS = 8192
 
 def distinct_chunks(x: torch.Tensor, y: torch.Tensor, offsets: np.ndarray) -> np.ndarray:
     """For every client c (rows ``offsets[c]:offsets[c + 1]`` of ``x``, ``y``), the
-    first client whose samples and labels are exactly equal to c's (c itself if none)."""
+    first client whose samples and labels are exactly equal to c's (c itself if none).
+
+    Candidates are found by a digest of the labels and of each sample's sum (equal
+    samples have equal sums: the same reduction of the same values) and confirmed
+    with an exact comparison. One reduction over all samples replaces hashing every
+    byte (IFCA's 2,400 test chunks, 753 MB: 1.0 s hashed byte by byte).
+    """
     offsets = np.asarray(offsets, dtype=np.int64)
+    prints = x.reshape(len(x), -1).sum(dim=1).cpu().numpy()
+    labels = y.cpu().numpy()
     first: dict[bytes, list[int]] = {}
     out = np.arange(len(offsets) - 1)
     for c in range(len(out)):
         lo, hi = int(offsets[c]), int(offsets[c + 1])
-        xc, yc = x[lo:hi], y[lo:hi]
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(np.asarray(xc.shape).tobytes())
-        digest.update(xc.contiguous().cpu().numpy().tobytes())
-        digest.update(yc.cpu().numpy().tobytes())
+        digest.update(np.asarray(x[lo:hi].shape).tobytes())
+        digest.update(prints[lo:hi].tobytes())
+        digest.update(labels[lo:hi].tobytes())
         candidates = first.setdefault(digest.digest(), [])
         for r in candidates:  # equal digests: confirm exactly
             rlo, rhi = int(offsets[r]), int(offsets[r + 1])
-            if torch.equal(x[rlo:rhi], xc) and torch.equal(y[rlo:rhi], yc):
+            if torch.equal(x[rlo:rhi], x[lo:hi]) and torch.equal(y[rlo:rhi], y[lo:hi]):
                 out[c] = r
                 break
         else:
