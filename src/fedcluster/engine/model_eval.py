@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedcluster.engine.precision import fast_log_softmax
+
 EVAL_ROWS = 8192
 """Samples per forward pass of one model (K models: EVAL_ROWS // K each)."""
 
@@ -74,6 +76,7 @@ def chunk_stats(
     offsets: np.ndarray,
     chunks: np.ndarray,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    fast_softmax: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Correct predictions (int64) and summed losses (float64), both
     [len(chunks), n_models], of every model on every chunk.
@@ -81,7 +84,9 @@ def chunk_stats(
     Chunk i holds rows ``offsets[chunks[i]]:offsets[chunks[i] + 1]`` of ``x``, ``y``;
     ``logits(x_part)`` gives the models' logits [K, P, C]. The loss is
     cross-entropy (``loss=None``): each chunk's loss adds its samples' float64
-    losses in order, as :func:`numpy.add.at` over the concatenated rows does.
+    losses in order, as :func:`numpy.add.at` over the concatenated rows does;
+    ``fast_softmax`` (bf16 runs) takes its log-softmax from
+    :func:`~fedcluster.engine.precision.fast_log_softmax`.
     A user's mean loss (:mod:`fedcluster.engine.modes`) is taken over each
     chunk's samples within a pass and multiplied by their count.
     """
@@ -94,10 +99,13 @@ def chunk_stats(
     correct = np.zeros((len(chunks), n_models), dtype=np.int64)
     loss_sum = np.zeros((len(chunks), n_models), dtype=np.float64)
     step = max(1, EVAL_ROWS // n_models)
+    # consecutive rows (e.g. every client's training data, IFCA's choice): slices, no gather
+    first = int(rows[0]) if len(rows) else 0
+    consecutive = np.array_equal(rows, np.arange(first, first + len(rows)))
     for s in range(0, len(idx), step):
         part = idx[s : s + step]
         target = y[part]
-        out = logits(x[part])  # [K, P, C]
+        out = logits(x[first + s : first + s + len(part)] if consecutive else x[part])  # [K, P, C]
         hit = (out.argmax(dim=2) == target).cpu().numpy()
         own = owner[s : s + step]
         for j in range(n_models):
@@ -105,9 +113,11 @@ def chunk_stats(
                 np.int64
             )
         if loss is None:
-            nll = F.cross_entropy(
-                out.reshape(-1, out.shape[2]), target.repeat(n_models), reduction="none"
-            )
+            flat, targets = out.reshape(-1, out.shape[2]), target.repeat(n_models)
+            if fast_softmax:
+                nll = -fast_log_softmax(flat).gather(1, targets.unsqueeze(1)).squeeze(1)
+            else:
+                nll = F.cross_entropy(flat, targets, reduction="none")
             nll = nll.view(n_models, -1).double().cpu().numpy()
             for j in range(n_models):
                 np.add.at(loss_sum[:, j], own, nll[j])
