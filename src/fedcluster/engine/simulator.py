@@ -960,12 +960,13 @@ train a round fastest; larger ones are no faster."""
 
 
 FULL_BATCH_BF16_GROUP = 32
-"""The default's largest group on the full-batch route with bf16 products: IFCA's
-2,400 clients (MLP 784-200-10, n = 100) trained in 0.63-0.68× the time of groups of
-8 with groups of 16-64 (all within noise of each other; docs/benchmarks.md "bf16
-round (session 12)"): a step's ~45 small operators, each a few µs of Python and
-dispatch under the GIL, are shared by more clients. fp32 keeps :data:`MAX_GROUP`
-(its numbers must not move)."""
+"""The default's largest group on the full-batch route with bf16 products. IFCA's
+2,400 clients (MLP 784-200-10, n = 100) on 2 workers trained in 0.63-0.68× main's
+time with groups of 16-32, 0.90-0.97× with groups of 8 (the same code otherwise;
+groups of 16, 32 and 64 alike; docs/benchmarks.md "bf16 round (session 12)"): a
+step's ~45 small operators, each a few µs of Python and dispatch under the GIL,
+are shared by more clients. fp32 keeps :data:`MAX_GROUP` (its numbers must not
+move)."""
 
 
 def balanced_group_size(n_clients: int, workers: int, largest: int = MAX_GROUP) -> int:
