@@ -62,10 +62,11 @@ FILES = {
 }
 
 
-def load_revision(rev: str, workdir: Path) -> dict[str, ModuleType]:
-    """``simulator.py`` and ``mlp_kernel.py`` as of ``rev``, as modules of their own."""
+def load_revision(rev: str, workdir: Path, files: dict[str, str] = FILES) -> dict[str, ModuleType]:
+    """``files`` (default: ``simulator.py`` and ``mlp_kernel.py``) as of ``rev``, as
+    modules of their own."""
     modules = {}
-    for name, path in FILES.items():
+    for name, path in files.items():
         text = subprocess.run(
             ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.mlp_kernel import MLPKernel
+from fedcluster.engine.precision import fast_log_softmax
 
 
 def _kernel(*widths: int) -> tuple[MLPKernel, torch.Tensor]:
@@ -113,6 +116,22 @@ def test_a_shared_start_takes_one_product_for_the_group_and_the_same_steps():
     assert not torch.equal(shared[0], shared[1])  # the members' own steps
 
 
+def _assert_written_from_start_as_copied(
+    train: Callable[..., torch.Tensor], start: torch.Tensor, same_start: bool
+) -> None:
+    """``train(rows, ..., start=start)`` into unwritten rows equals ``train`` in place on a
+    copy of the start, bit for bit, and leaves the start as it was."""
+    before = start.clone()
+    copied = start.clone()
+    expected = train(copied, same_start=same_start)
+    written = torch.full_like(copied, float("nan"))  # every entry must be written
+    total = train(written, same_start=same_start, start=start)
+    assert torch.equal(written, copied)
+    assert torch.equal(total, expected)
+    assert torch.equal(start, before)  # the start is not touched
+    assert not torch.equal(written, before)
+
+
 @pytest.mark.parametrize("same_start", [False, True])
 def test_writing_the_trained_rows_from_a_separate_start_equals_copying_first(same_start):
     # Two chunks (the fused copy is the first chunk's update, the second updates in
@@ -129,14 +148,42 @@ def test_writing_the_trained_rows_from_a_separate_start_equals_copying_first(sam
     args = (samples, idx, y, weight, 0.3, kernel.deferral(batch), slice(3, 20))
     assert kernel.deferral(batch) < steps
 
-    before = start.clone()
-    copied = start.clone()
-    expected = kernel.sgd_deferred(copied, *args, same_start=same_start)
-    written = torch.full_like(copied, float("nan"))  # every entry must be written
-    total = kernel.sgd_deferred(written, *args, same_start=same_start, start=start)
-    assert torch.equal(written, copied)
-    assert torch.equal(total, expected)
-    assert torch.equal(start, before)  # the start is not touched
+    def train(rows: torch.Tensor, **kw: object) -> torch.Tensor:
+        return kernel.sgd_deferred(rows, *args, **kw)
+
+    _assert_written_from_start_as_copied(train, start, same_start)
+
+
+@pytest.mark.parametrize("same_start", [False, True])
+def test_full_batch_rows_written_from_a_separate_start_equal_copying_first(same_start):
+    # IFCA's full-batch route: the start's first layer comes with the deferred update,
+    # its bias, skipped weights and upper layers are copied; fp32 bit for bit.
+    kernel, row = _kernel(20, 16, 8, 3)
+    g, steps, n = 3, 5, 6
+    gen = torch.Generator().manual_seed(5)
+    start = row.expand(g, -1) if same_start else row + 0.1 * torch.randn(g, row.numel())
+    x = torch.randn(g, n, 20, generator=gen)
+    x[..., :3] = 0.0
+    y = torch.randint(0, 3, (g, n), generator=gen)
+    weight = torch.full((g, steps, n), 1.0 / n)
+    weight[1, 3:] = 0.0  # a member that takes 3 steps
+    kept = x[..., 3:]
+    gram = kept @ kept.transpose(1, 2)
+    args = (kept, y, weight, 0.3, gram, slice(3, 20))
+
+    def train(rows: torch.Tensor, **kw: object) -> torch.Tensor:
+        return kernel.sgd_full_batch(rows, *args, **kw)
+
+    _assert_written_from_start_as_copied(train, start, same_start)
+
+
+def test_the_fast_log_softmax_of_bf16_runs_equals_pytorchs_to_float_rounding():
+    gen = torch.Generator().manual_seed(6)
+    logits = 4.0 * torch.randn(8, 100, 10, generator=gen)
+    logits[0, 0] = torch.tensor([80.0, -80.0] + [0.0] * 8)  # far from 0 both ways
+    logp = fast_log_softmax(logits)
+    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=-1))
+    assert torch.isfinite(logp).all()
 
 
 def test_a_group_without_steps_writes_its_start_unchanged():

@@ -48,6 +48,14 @@ def test_distinct_chunks_name_equal_test_sets_by_their_first_holder(shared_tests
     x = fed.x_test.clone()
     x[fed.test_offsets[4]] += 1.0  # client 4's set now differs in one pixel
     assert distinct_chunks(x, fed.y_test, fed.test_offsets)[4] == 4
+    # the same pixel values in another order (the same sum): still a different set
+    x = fed.x_test.clone()
+    row = x[fed.test_offsets[5]].view(-1)
+    other = int(torch.nonzero(row != row[0])[0])
+    row[0], row[other] = row[other].item(), row[0].item()
+    assert distinct_chunks(x, fed.y_test, fed.test_offsets).tolist() == [
+        0, 1, 2, 0, 1, 5, 0, 1, 2
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])

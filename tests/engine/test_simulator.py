@@ -58,6 +58,27 @@ def test_batched_training_equals_plain_loop(mnist_federation, model_name, cfg_na
     assert not torch.equal(fast, start)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LocalTraining(lr=0.1, batch_size=140, steps=4),
+        LocalTraining(lr=0.1, batch_size=200, epochs=3),
+    ],
+)
+def test_full_batch_training_without_drawn_plans_equals_plain_loop(mnist_federation, cfg):
+    # every batch a client's whole data (41..140 samples): the full-batch route, which
+    # builds its row weights from the step counts instead of the drawn permutations
+    model = build_model("mlp", (1, 28, 28), 10, hidden=[64])
+    clients = np.arange(mnist_federation.n_clients)
+    start = torch.stack([init_row(model, 0, "test", i) for i in range(len(clients))])
+    sim = Simulator(model, mnist_federation, seed=7, group_size=5)
+    assert sim._full_batch_steps(clients, cfg, False) is not None
+    result = sim.train(clients, start, cfg, rnd=2)
+    plain = reference_train(model, mnist_federation, clients, start, cfg, seed=7, rnd=2)
+    assert_same_training(model, (1, 28, 28), cfg, result.steps, result.rows, plain)
+    assert result.steps.tolist() == [cfg.steps or cfg.epochs] * len(clients)
+
+
 @pytest.mark.parametrize("cfg_name", ["sgd", "prox_momentum"])
 def test_groups_on_worker_threads_equal_plain_loop(mnist_federation, cfg_name):
     model = build_model("mlp", (1, 28, 28), 10, hidden=[64, 32])
@@ -261,6 +282,7 @@ def test_default_groups_are_equal_and_keep_every_worker_busy():
             groups = math.ceil(n / size)
             assert 1 <= size <= MAX_GROUP
             assert groups >= min(n, workers)  # no worker idles while another has two groups
+    assert balanced_group_size(2400, 2, largest=32) == 31  # IFCA's bf16 full batches: 78 groups
 
 
 def test_stacked_plans_put_each_batch_in_its_slot_with_weight_one_over_its_size():

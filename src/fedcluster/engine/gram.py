@@ -33,11 +33,17 @@ class GramCache:
     """
 
     def __init__(
-        self, samples: torch.Tensor, offsets: np.ndarray, budget: int = DEFAULT_BUDGET
+        self,
+        samples: torch.Tensor,
+        offsets: np.ndarray,
+        budget: int = DEFAULT_BUDGET,
+        low: torch.dtype | None = None,
     ) -> None:
         self.samples = samples
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.budget = budget
+        self.low = low
+        """The product dtype of a ``precision: bf16`` run (:meth:`compute`), else ``None``."""
         self._grams: dict[int, torch.Tensor] = {}
 
     def suits(self, chunk_rows: int) -> bool:
@@ -66,9 +72,36 @@ class GramCache:
         return gram
 
     def compute(self, c: int) -> torch.Tensor:
-        """X_c X_cᵀ of client ``c`` as :meth:`client` computes it, without keeping it."""
-        x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])].double()
+        """X_c X_cᵀ of client ``c`` as :meth:`client` computes it, without keeping it.
+
+        With ``low`` (bf16 runs) a product of ``low`` operands, as the kernel's other
+        products over the inputs: X rounded to bfloat16 is then the X of every
+        first-layer product and of the Gram correction, which the kernel takes in
+        ``low`` anyway; about 10× faster than the float64 product (IFCA's 2,400
+        clients: 1.3 s in the first round, 2 threads).
+        """
+        x = self.samples[int(self.offsets[c]) : int(self.offsets[c + 1])]
+        x = x.double() if self.low is None else x.to(self.low)
         return torch.mm(x, x.t()).to(self.samples.dtype)
+
+    def fill(self, clients: np.ndarray, x: torch.Tensor) -> None:
+        """Cache X_c X_cᵀ of the ``clients`` [G] not cached yet from their gathered inputs
+        ``x`` [G, R, f] (client c's own rows first, in stored order, padding after), in
+        one batched product: bf16 runs only (``low``; float32 runs keep :meth:`compute`'s
+        float64 products). Each member's block is :meth:`compute`'s product (the same
+        operands and reductions; tested equal), without 2,400 small calls in a round.
+        """
+        if self.low is None:
+            return
+        missing = [g for g, c in enumerate(np.asarray(clients).tolist()) if c not in self._grams]
+        if not missing:
+            return
+        xs = x[torch.as_tensor(missing, device=x.device)].to(self.low)
+        products = torch.bmm(xs, xs.transpose(1, 2))
+        for i, g in enumerate(missing):
+            c = int(clients[g])
+            n = int(self.offsets[c + 1] - self.offsets[c])
+            self._grams[c] = products[i, :n, :n].to(self.samples.dtype).contiguous()
 
     def gather(self, clients: np.ndarray, chosen: torch.Tensor) -> torch.Tensor:
         """Gram matrices [G, R, R] of the samples ``chosen`` [G, R] (global row indices)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcluster.engine.flat import ParamLayout
+from fedcluster.engine.precision import fast_log_softmax
 
 LayerParams = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,21 +51,32 @@ class MLPKernel:
 
     ``low`` (``torch.bfloat16`` or ``None``) is the dtype of the matrix products of
     training (:meth:`sgd_step`, :meth:`sgd_deferred`; :meth:`sgd_full_batch` its
-    products over the inputs) and of :meth:`logits`: operands rounded to it,
-    float32 accumulation, the result
-    rounded to it and used in float32 (:mod:`fedcluster.engine.precision`);
-    ``None`` is plain float32.
+    products over the inputs and its Gram correction) and of :meth:`logits`:
+    operands rounded to it, float32 accumulation, the result rounded to it and
+    used in float32 (:mod:`fedcluster.engine.precision`); ``None`` is plain
+    float32.
     """
 
-    def __init__(self, layers: list[_Layer], dim: int, low: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        layers: list[_Layer],
+        dim: int,
+        low: torch.dtype | None = None,
+        fast_softmax: bool = False,
+    ) -> None:
         self.layers = layers
         self.dim = dim
         self.low = low
+        self.fast_softmax = fast_softmax or low is not None
+        """Whether :meth:`loss_and_dlogits` takes its log-softmax from
+        :func:`~fedcluster.engine.precision.fast_log_softmax` (runs with ``low``;
+        float32 runs keep PyTorch's ``log_softmax`` to the last bit)."""
 
     @property
     def fp32(self) -> MLPKernel:
-        """This kernel with float32 products (itself when ``low`` is ``None``)."""
-        return self if self.low is None else MLPKernel(self.layers, self.dim)
+        """This kernel with float32 products (itself when ``low`` is ``None``); in a
+        ``low`` run it keeps the run's :attr:`fast_softmax`."""
+        return self if self.low is None else MLPKernel(self.layers, self.dim, fast_softmax=True)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as a product operand (rounded to ``low``, else itself)."""
@@ -231,16 +243,15 @@ class MLPKernel:
             if i > last:
                 d = _relu_backward(torch.bmm(d, params[i][0].transpose(1, 2)), h)
 
-    @staticmethod
     def loss_and_dlogits(
-        logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
+        self, logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted cross-entropy per group member and its gradient w.r.t. the logits.
 
         ``weight`` [G, B] is 1/batch_size for real rows and 0 for padding, so the
         loss is each member's mean batch loss, as ``F.cross_entropy`` computes it.
         """
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = fast_log_softmax(logits) if self.fast_softmax else torch.log_softmax(logits, -1)
         target = y.unsqueeze(-1)
         loss = -(logp.gather(-1, target).squeeze(-1) * weight).sum(dim=1)
         d = logp.exp_()
@@ -340,6 +351,47 @@ class MLPKernel:
         out_features, in_features = self.layers[0].shape
         return 1 + int(0.8 / (batch_size * (1.0 / in_features + 1.0 / out_features)))
 
+    def _first_layer(
+        self, rows: torch.Tensor, start: torch.Tensor, features: slice | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's kept weights [G, out, kept] in ``rows`` and in ``start``.
+
+        When ``start`` is not ``rows``, the first layer's bias and skipped weights are
+        copied from it now; its kept weights come with the first update (``source``
+        differs from the rows' view until then), the upper layers with :meth:`pack`
+        (:meth:`detect`: a row holds nothing else).
+        """
+        g = rows.shape[0]
+        first = self.layers[0]
+        kept = features or slice(None)
+        w1 = rows[:, first.weight].view(g, *first.shape)
+        if start is rows:
+            own = w1[:, :, kept]
+            return own, own
+        rows[:, first.bias] = start[:, first.bias]
+        begin = start[:, first.weight].view(g, *first.shape)
+        w1[:, :, : kept.start or 0] = begin[:, :, : kept.start or 0]
+        if kept.stop is not None:
+            w1[:, :, kept.stop :] = begin[:, :, kept.stop :]
+        return w1[:, :, kept], begin[:, :, kept]
+
+    def _update_first_layer(
+        self,
+        w1: torch.Tensor,
+        source: torch.Tensor,
+        deltas: torch.Tensor,
+        x: torch.Tensor,
+        lr: float,
+    ) -> None:
+        """w1 = source − lr·(deltasᵀ @ x) for every member: in place when ``source`` is
+        ``w1``, else member by member (what ``baddbmm_`` does on these strided rows,
+        with the copy from ``source`` fused into the update)."""
+        if source is w1:
+            self._baddbmm_(w1, deltas.transpose(1, 2), x, -lr)
+            return
+        for m in range(w1.shape[0]):
+            self._addmm_into(w1[m], source[m], deltas[m].t(), x[m], -lr)
+
     def sgd_deferred(
         self,
         rows: torch.Tensor,
@@ -396,21 +448,8 @@ class MLPKernel:
         """
         g, n_steps, _ = weight.shape
         first = self.layers[0]
-        kept = features or slice(None)
-        w1 = rows[:, first.weight].view(g, *first.shape)[:, :, kept]
-        source = w1  # the first layer's weights the next chunk starts from
-        if start is None:
-            start = rows
-        if start is not rows:
-            # The first layer's bias and skipped weights now; its kept weights come with
-            # the first update, the upper layers with pack (detect: a row holds nothing else).
-            rows[:, first.bias] = start[:, first.bias]
-            skipped = rows[:, first.weight].view(g, *first.shape)
-            begin = start[:, first.weight].view(g, *first.shape)
-            skipped[:, :, : kept.start or 0] = begin[:, :, : kept.start or 0]
-            if kept.stop is not None:
-                skipped[:, :, kept.stop :] = begin[:, :, kept.stop :]
-            source = begin[:, :, kept]
+        start = rows if start is None else start
+        w1, source = self._first_layer(rows, start, features)
         b1 = rows[:, first.bias]
         upper = self.unpack(start, from_layer=1)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
@@ -455,12 +494,8 @@ class MLPKernel:
                 b1.sub_(d.sum(dim=1), alpha=lr)
                 total += loss
                 lo = hi
-            if source is w1:
-                self._baddbmm_(w1, deltas.transpose(1, 2), x, -lr)
-            else:
-                for m in range(g):  # what baddbmm_ does on these strided rows, copy fused
-                    self._addmm_into(w1[m], source[m], deltas[m].t(), x[m], -lr)
-                source = w1
+            self._update_first_layer(w1, source, deltas, x, lr)
+            source = w1
         if source is not w1:  # no step at all: the first layer's weights as they started
             w1.copy_(source)
         self.pack(upper, rows, from_layer=1)
@@ -476,6 +511,7 @@ class MLPKernel:
         gram: torch.Tensor,
         features: slice | None = None,
         same_start: bool = False,
+        start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Full-batch gradient descent of a group, in place on ``rows`` [G, d]; returns
         each member's summed step losses [G].
@@ -485,7 +521,9 @@ class MLPKernel:
         with labels ``y`` [G, n] and per-step row weights ``weight`` [G, S, n]
         (1/n for real rows, 0 for padding and for steps a member does not take).
         ``gram`` [G, n, n] is X Xᵀ of each member's samples and ``features`` the
-        input features kept in ``x`` (as in :meth:`sgd_deferred`).
+        input features kept in ``x`` (as in :meth:`sgd_deferred`). ``start`` [G, d]
+        (default: ``rows``) holds the starting parameters when ``rows`` does not yet
+        (as in :meth:`sgd_deferred`: the first layer's copy comes with its update).
 
         With the same inputs every step the first layer after s steps is
         W_s = W_0 − η D_sᵀ X with D_s = Σ_{t<s} δ_t (δ_t the step's
@@ -499,41 +537,51 @@ class MLPKernel:
         step by step (tested against the per-client loop). The upper layers take
         ordinary steps (:meth:`sgd_step`).
 
-        With ``low`` the two products over the inputs, X W_0ᵀ and D_Sᵀ X
-        (n·f·h multiply-adds each), take operands cast to it, ``x`` once per group.
-        The per-step products (the n × n Gram correction, the upper layers: for
-        IFCA's 784-200-10 MLP the 200 → 10 classifier) are float32 calls, without
-        a cast kernel around each of them every step; the simulator runs this
-        route under :func:`~fedcluster.engine.precision.float32_products_in`, so
-        on the CPU oneDNN takes their operands in ``low`` as well.
+        With ``low`` the products over the inputs, X W_0ᵀ and D_Sᵀ X (n·f·h
+        multiply-adds each), and the Gram correction take operands cast to it,
+        ``x`` and ``gram`` once per group. The upper layers' products (for IFCA's
+        784-200-10 MLP the 200 → 10 classifier) are float32 calls, without a cast
+        kernel around each of them every step; the simulator runs this route under
+        :func:`~fedcluster.engine.precision.float32_products_in`, so on the CPU
+        oneDNN takes their operands in ``low`` as well. The log-softmax is then
+        :func:`~fedcluster.engine.precision.fast_log_softmax` (float32, rounded
+        differently from PyTorch's kernel).
         """
         g, n_steps, _ = weight.shape
         first = self.layers[0]
-        w1 = rows[:, first.weight].view(g, *first.shape)[:, :, features or slice(None)]
+        start = rows if start is None else start
+        w1, source = self._first_layer(rows, start, features)
         b1 = rows[:, first.bias]
-        upper = self.unpack(rows, from_layer=1)
+        upper = self.unpack(start, from_layer=1)
         x = self._cast(x)  # once per group: the same inputs every step
         if same_start:  # one product for the whole group
-            pre = self._mm(x.reshape(-1, x.shape[2]), w1[0].t()).view(g, x.shape[1], -1)
+            pre = self._mm(x.reshape(-1, x.shape[2]), source[0].t()).view(g, x.shape[1], -1)
         else:
-            pre = self._bmm(x, w1.transpose(1, 2))
+            pre = self._bmm(x, source.transpose(1, 2))
+        gram = self._cast(gram)
         summed = torch.zeros_like(pre)
         total = torch.zeros(g, dtype=rows.dtype, device=rows.device)
-        exact = self.fp32  # the per-step products are too small to gain from ``low``
+        per_step = self.fp32  # the upper layers' products are too small to gain from ``low``
         for s in range(n_steps):
-            z = torch.baddbmm(pre, gram, summed, alpha=-lr) if s else pre.clone()
-            z.add_(b1.unsqueeze(1))
+            if not s:
+                z = pre + b1.unsqueeze(1)
+            else:
+                if self.low is None:
+                    z = torch.baddbmm(pre, gram, summed, alpha=-lr)
+                else:  # the correction in ``low``, subtracted in float32
+                    z = torch.sub(pre, torch.bmm(gram, summed.to(self.low)), alpha=lr)
+                z.add_(b1.unsqueeze(1))
             if upper:
-                loss, d = exact.sgd_step(
-                    upper, torch.relu(z), y, weight[:, s], lr, input_gradient=True
+                loss, d = per_step.sgd_step(
+                    upper, z.relu_(), y, weight[:, s], lr, input_gradient=True
                 )
                 assert d is not None
             else:
-                loss, d = self.loss_and_dlogits(z, y, weight[:, s])
+                loss, d = per_step.loss_and_dlogits(z, y, weight[:, s])
             summed += d
             b1.sub_(d.sum(dim=1), alpha=lr)
             total += loss
-        self._baddbmm_(w1, summed.transpose(1, 2), x, -lr)
+        self._update_first_layer(w1, source, summed, x, lr)
         self.pack(upper, rows, from_layer=1)
         return total
 

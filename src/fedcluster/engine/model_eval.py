@@ -31,27 +31,36 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedcluster.engine.precision import fast_log_softmax
+
 EVAL_ROWS = 8192
 """Samples per forward pass of one model (K models: EVAL_ROWS // K each)."""
 
 
 def distinct_chunks(x: torch.Tensor, y: torch.Tensor, offsets: np.ndarray) -> np.ndarray:
     """For every client c (rows ``offsets[c]:offsets[c + 1]`` of ``x``, ``y``), the
-    first client whose samples and labels are exactly equal to c's (c itself if none)."""
+    first client whose samples and labels are exactly equal to c's (c itself if none).
+
+    Candidates are found by a digest of the labels and of each sample's sum (equal
+    samples have equal sums: the same reduction of the same values) and confirmed
+    with an exact comparison. One reduction over all samples replaces hashing every
+    byte (IFCA's 2,400 test chunks, 753 MB: 1.0 s hashed byte by byte).
+    """
     offsets = np.asarray(offsets, dtype=np.int64)
+    prints = x.reshape(len(x), -1).sum(dim=1).cpu().numpy()
+    labels = y.cpu().numpy()
     first: dict[bytes, list[int]] = {}
     out = np.arange(len(offsets) - 1)
     for c in range(len(out)):
         lo, hi = int(offsets[c]), int(offsets[c + 1])
-        xc, yc = x[lo:hi], y[lo:hi]
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(np.asarray(xc.shape).tobytes())
-        digest.update(xc.contiguous().cpu().numpy().tobytes())
-        digest.update(yc.cpu().numpy().tobytes())
+        digest.update(np.asarray(x[lo:hi].shape).tobytes())
+        digest.update(prints[lo:hi].tobytes())
+        digest.update(labels[lo:hi].tobytes())
         candidates = first.setdefault(digest.digest(), [])
         for r in candidates:  # equal digests: confirm exactly
             rlo, rhi = int(offsets[r]), int(offsets[r + 1])
-            if torch.equal(x[rlo:rhi], xc) and torch.equal(y[rlo:rhi], yc):
+            if torch.equal(x[rlo:rhi], x[lo:hi]) and torch.equal(y[rlo:rhi], y[lo:hi]):
                 out[c] = r
                 break
         else:
@@ -67,6 +76,7 @@ def chunk_stats(
     offsets: np.ndarray,
     chunks: np.ndarray,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    fast_softmax: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Correct predictions (int64) and summed losses (float64), both
     [len(chunks), n_models], of every model on every chunk.
@@ -74,7 +84,9 @@ def chunk_stats(
     Chunk i holds rows ``offsets[chunks[i]]:offsets[chunks[i] + 1]`` of ``x``, ``y``;
     ``logits(x_part)`` gives the models' logits [K, P, C]. The loss is
     cross-entropy (``loss=None``): each chunk's loss adds its samples' float64
-    losses in order, as :func:`numpy.add.at` over the concatenated rows does.
+    losses in order, as :func:`numpy.add.at` over the concatenated rows does;
+    ``fast_softmax`` (bf16 runs) takes its log-softmax from
+    :func:`~fedcluster.engine.precision.fast_log_softmax`.
     A user's mean loss (:mod:`fedcluster.engine.modes`) is taken over each
     chunk's samples within a pass and multiplied by their count.
     """
@@ -87,10 +99,13 @@ def chunk_stats(
     correct = np.zeros((len(chunks), n_models), dtype=np.int64)
     loss_sum = np.zeros((len(chunks), n_models), dtype=np.float64)
     step = max(1, EVAL_ROWS // n_models)
+    # consecutive rows (e.g. every client's training data, IFCA's choice): slices, no gather
+    first = int(rows[0]) if len(rows) else 0
+    consecutive = np.array_equal(rows, np.arange(first, first + len(rows)))
     for s in range(0, len(idx), step):
         part = idx[s : s + step]
         target = y[part]
-        out = logits(x[part])  # [K, P, C]
+        out = logits(x[first + s : first + s + len(part)] if consecutive else x[part])  # [K, P, C]
         hit = (out.argmax(dim=2) == target).cpu().numpy()
         own = owner[s : s + step]
         for j in range(n_models):
@@ -98,9 +113,11 @@ def chunk_stats(
                 np.int64
             )
         if loss is None:
-            nll = F.cross_entropy(
-                out.reshape(-1, out.shape[2]), target.repeat(n_models), reduction="none"
-            )
+            flat, targets = out.reshape(-1, out.shape[2]), target.repeat(n_models)
+            if fast_softmax:
+                nll = -fast_log_softmax(flat).gather(1, targets.unsqueeze(1)).squeeze(1)
+            else:
+                nll = F.cross_entropy(flat, targets, reduction="none")
             nll = nll.view(n_models, -1).double().cpu().numpy()
             for j in range(n_models):
                 np.add.at(loss_sum[:, j], own, nll[j])

@@ -135,7 +135,9 @@ class Simulator(ClientClock):
         self._x_flat = federation.x_train.reshape(len(federation.x_train), -1)
         self._revisions = federation.revisions.copy()
         self._features = _nonzero_span(self._x_flat) if self.kernel is not None else slice(None)
-        self._grams = GramCache(self._x_flat[:, self._features], federation.train_offsets)
+        self._grams = GramCache(
+            self._x_flat[:, self._features], federation.train_offsets, low=self.low
+        )
         self._row_blocks = RowBlocks()  # the mini-batch routes' output, reused across rounds
         self._nonfinite = _nonfinite_clients(self._x_flat, federation.train_offsets)
         self._test_chunks: np.ndarray | None = None  # distinct test sets, on first use
@@ -157,7 +159,9 @@ class Simulator(ClientClock):
             self._grams.invalidate(changed)
         else:
             self._features = features
-            self._grams = GramCache(self._x_flat[:, features], self.federation.train_offsets)
+            self._grams = GramCache(
+                self._x_flat[:, features], self.federation.train_offsets, low=self.low
+            )
 
     def plans(
         self, clients: np.ndarray, cfg: LocalTraining, rnd: int, purpose: str
@@ -245,7 +249,9 @@ class Simulator(ClientClock):
             start = torch.stack([self.personal(start[i], c) for i, c in enumerate(clients)])
         with self.timed():
             self._follow_data_changes()
-            plans = self.plans(clients, cfg, rnd, purpose)
+            full_steps = self._full_batch_steps(clients, cfg, classifier_only)
+            # the full-batch route reads each client's data in stored order: no plans drawn
+            plans = self.plans(clients, cfg, rnd, purpose) if full_steps is None else []
             if cfg.dp is not None and self.device.type != "cpu":
                 raise FedclusterError(
                     f"privacy: record-level DP-SGD runs on the CPU only, not on {self.device}"
@@ -258,7 +264,9 @@ class Simulator(ClientClock):
             if cfg.dp is not None:
                 result = self._train_dp(plans, start, cfg, classifier_only, clients, rnd, purpose)
             elif self.kernel is not None and cfg.augment == "none":
-                result = self._train_kernel(plans, clients, start, cfg, classifier_only)
+                result = self._train_kernel(
+                    plans, clients, start, cfg, classifier_only, full_steps=full_steps
+                )
             else:
 
                 def transforms(i: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -274,6 +282,25 @@ class Simulator(ClientClock):
             if poisoned.any():  # garbage in, NaN out, wherever in its inputs the NaN sits
                 rows[poisoned], loss[poisoned] = math.nan, math.nan
             return TrainResult(rows, loss, result.steps)
+
+    def _full_batch_steps(
+        self, clients: np.ndarray, cfg: LocalTraining, classifier_only: bool
+    ) -> np.ndarray | None:
+        """Each client's step count when training takes the kernel's full-batch route
+        (:meth:`MLPKernel.sgd_full_batch`: plain SGD, every batch of every plan a
+        client's whole data, i.e. ``batch_size`` at least every client's size), else
+        ``None``. A client of n > 0 samples then takes ``steps`` batches (``epochs``
+        without ``steps``: one per epoch), each a permutation of all n samples
+        (:func:`~fedcluster.engine.batches.batch_plan`), which the route does not need.
+        """
+        plain = cfg.dp is None and cfg.augment == "none" and cfg.momentum == 0.0
+        if self.kernel is None or not plain or cfg.mu != 0.0 or classifier_only:
+            return None
+        sizes = self.federation.train_sizes[clients]
+        if len(sizes) == 0 or sizes.max() > cfg.batch_size:
+            return None
+        per_client = cfg.epochs if cfg.steps is None else cfg.steps
+        return np.where(sizes > 0, per_client, 0).astype(np.int64)
 
     def _dropout_generator(
         self, clients: np.ndarray, rnd: int, purpose: str, i: int
@@ -529,17 +556,22 @@ class Simulator(ClientClock):
         cfg: LocalTraining,
         classifier_only: bool,
         group_steps: Callable[[np.ndarray], GroupStep] | None = None,
+        full_steps: np.ndarray | None = None,
     ) -> TrainResult:
         """SGD on groups of clients with the MLP kernel.
 
         ``group_steps(members)`` gives the step of one group (DP-SGD's); by
-        default plain SGD (:meth:`MLPKernel.sgd_step`).
+        default plain SGD (:meth:`MLPKernel.sgd_step`). ``full_steps``
+        (:meth:`_full_batch_steps`) takes the full-batch route without ``plans``.
         """
         kernel = self.kernel
         assert kernel is not None
-        n = len(plans)
+        n = len(clients)
         losses = torch.full((n,), float("nan"))
-        steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
+        if full_steps is not None:
+            steps = torch.as_tensor(full_steps, dtype=torch.int64)
+        else:
+            steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
 
         def plain_steps(members: np.ndarray) -> GroupStep:
@@ -576,15 +608,19 @@ class Simulator(ClientClock):
         grams = self._grams if self._grams.suits(deferral * cfg.batch_size) else None
 
         sizes = self.federation.train_sizes[clients]
-        full_batch = plain_sgd and all(len(b) == sizes[i] for i, p in enumerate(plans) for b in p)
+        full_batch = full_steps is not None
         # every row is written by its group; huge pages pay on the mini-batch routes (fewer
         # page faults), not on the full-batch route (measured 1.3 s slower on IFCA's 1.5 GB
         # block, docs/benchmarks.md "Roofline on AVX-512")
         out = torch.empty_like(start) if full_batch else self._row_blocks.empty_like(start)
 
         def run_group(members: np.ndarray) -> None:
-            idx, weight = _stack_plans([plans[m] for m in members])
-            idx, weight = idx.to(self.device), weight.to(self.device)
+            if full_batch:
+                idx, weight = None, _full_batch_weights(sizes[members], steps[members].numpy())
+            else:
+                idx, weight = _stack_plans([plans[m] for m in members])
+                idx = idx.to(self.device)
+            weight = weight.to(self.device)
             rows = torch.as_tensor(members, device=self.device)
             span = _as_range(members)
             deferred = not full_batch and plain_sgd and deferral > 1
@@ -592,12 +628,20 @@ class Simulator(ClientClock):
                 block = source = start.index_select(0, rows)
             else:  # train in place in the output
                 block, source = out[span], start[span]
-                if not deferred:  # the deferred path writes its rows itself
+                if not deferred and not full_batch:  # those routes write their rows
                     block.copy_(source)
             if full_batch:  # every step on all samples: IFCA's full-batch steps
                 x, y, gram = self._full_batches(clients[members], weight.shape[2])
                 total = kernel.sgd_full_batch(
-                    block, x, y, weight, cfg.lr, gram, self._features, start.stride(0) == 0
+                    block,
+                    x,
+                    y,
+                    weight,
+                    cfg.lr,
+                    gram,
+                    self._features,
+                    same_start=start.stride(0) == 0,
+                    start=source,
                 )
             elif deferred:
                 total = kernel.sgd_deferred(
@@ -631,7 +675,8 @@ class Simulator(ClientClock):
         # Clients with similar step counts share a group, so little work is padding.
         order = np.argsort(-steps.numpy(), kind="stable")
         workers = self.threads or torch.get_num_threads()
-        size = self.group_size or balanced_group_size(n, workers)
+        largest = FULL_BATCH_BF16_GROUP if full_batch and self.low is not None else MAX_GROUP
+        size = self.group_size or balanced_group_size(n, workers, largest)
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
         # the full-batch route's per-step products take bfloat16 operands inside oneDNN
         with float32_products_in(self.low if full_batch else None):
@@ -647,14 +692,18 @@ class Simulator(ClientClock):
         :meth:`MLPKernel.sgd_full_batch`."""
         off = self.federation.train_offsets
         idx = torch.empty(len(clients), width, dtype=torch.int64, device=self.device)
-        gram = torch.zeros(len(clients), width, width, device=self.device)
-        keep = self._grams.suits(width)
         for g, c in enumerate(np.asarray(clients).tolist()):
             lo, n = int(off[c]), int(off[c + 1] - off[c])
             idx[g] = lo
             idx[g, :n] = torch.arange(lo, lo + n, device=self.device)
-            gram[g, :n, :n] = self._grams.client(c) if keep else self._grams.compute(c)
         x = self._grams.samples.index_select(0, idx.view(-1)).view(len(clients), width, -1)
+        keep = self._grams.suits(width)
+        if keep:  # bf16: the group's missing Gram matrices in one product
+            self._grams.fill(clients, x)
+        gram = torch.zeros(len(clients), width, width, device=self.device)
+        for g, c in enumerate(np.asarray(clients).tolist()):
+            n = int(off[c + 1] - off[c])
+            gram[g, :n, :n] = self._grams.client(c) if keep else self._grams.compute(c)
         return x, self.federation.y_train[idx], gram
 
     # ------------------------------------------------------- losses and grads
@@ -866,7 +915,8 @@ class Simulator(ClientClock):
                     return torch.stack([self.layout.forward(row, part) for row in rows]).float()
 
         loss = None if self.loss is F.cross_entropy else self.loss
-        return chunk_stats(logits, rows.shape[0], x, y, off, chunks, loss)
+        fast = self.low is not None
+        return chunk_stats(logits, rows.shape[0], x, y, off, chunks, loss, fast_softmax=fast)
 
 
 def _check_norm_layers(model: nn.Module) -> None:
@@ -909,12 +959,22 @@ MAX_GROUP = 8
 train a round fastest; larger ones are no faster."""
 
 
-def balanced_group_size(n_clients: int, workers: int) -> int:
+FULL_BATCH_BF16_GROUP = 32
+"""The default's largest group on the full-batch route with bf16 products. IFCA's
+2,400 clients (MLP 784-200-10, n = 100) on 2 workers trained in 0.63-0.68× main's
+time with groups of 16-32, 0.90-0.97× with groups of 8 (the same code otherwise;
+groups of 16, 32 and 64 alike; docs/benchmarks.md "bf16 round (session 12)"): a
+step's ~45 small operators, each a few µs of Python and dispatch under the GIL,
+are shared by more clients. fp32 keeps :data:`MAX_GROUP` (its numbers must not
+move)."""
+
+
+def balanced_group_size(n_clients: int, workers: int, largest: int = MAX_GROUP) -> int:
     """Group size for ``n_clients`` on ``workers`` threads: ⌊n / (w·p)⌋ with
-    p = ⌈n / (w·MAX_GROUP)⌉ groups per worker, so groups hold at most
-    :data:`MAX_GROUP` clients and every worker gets at least p of them
+    p = ⌈n / (w·largest)⌉ groups per worker, so groups hold at most ``largest``
+    (:data:`MAX_GROUP`) clients and every worker gets at least p of them
     (80 clients on 2 threads: 10 groups of 8; 24 clients: 4 groups of 6)."""
-    per_worker = max(1, math.ceil(n_clients / (workers * MAX_GROUP)))
+    per_worker = max(1, math.ceil(n_clients / (workers * largest)))
     return max(1, n_clients // (workers * per_worker))
 
 
@@ -937,6 +997,16 @@ def _replicate_batch(
     """One client's batch as a group of ``k`` identical members for the kernel."""
     weight = torch.full((k, len(y)), 1.0 / len(y), device=x.device)
     return x.unsqueeze(0).expand(k, -1, -1), y.view(1, -1).expand(k, -1), weight
+
+
+def _full_batch_weights(sizes: np.ndarray, steps: np.ndarray) -> torch.Tensor:
+    """The row weights [G, S, n] of :func:`_stack_plans` for plans of whole-data batches:
+    1/size on a client's rows of its steps, 0 elsewhere (S and n the group's largest)."""
+    width = max(int(sizes.max(initial=0)), 1)
+    rows = np.arange(width)[None, None, :] < sizes[:, None, None]
+    taken = np.arange(int(steps.max(initial=0)))[None, :, None] < steps[:, None, None]
+    rate = 1.0 / np.maximum(sizes, 1)[:, None, None]
+    return torch.as_tensor(np.where(rows & taken, rate, 0.0), dtype=torch.float32)
 
 
 def _stack_plans(plans: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
