@@ -55,3 +55,20 @@ def test_scale_benchmark_splits_clustering_by_round(tmp_path: Path) -> None:
     total = [c + s for c, s in zip(per["client_seconds"], per["server_seconds"], strict=True)]
     assert first == pytest.approx(per["clustering_seconds"][0] / total[0])
     assert later == pytest.approx(sum(per["clustering_seconds"][1:]) / sum(total[1:]))
+
+
+@pytest.mark.parametrize("script", ["bench_round.py", "bench_ifca.py"])
+def test_the_scripts_the_docs_run_as_files_start_on_a_fresh_checkout(script, tmp_path):
+    """`python benchmarks/bench_ifca.py ...` (the docs' form) finds the `benchmarks`
+    package without PYTHONPATH, from any working directory."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    path = Path(__file__).parents[1] / "benchmarks" / script
+    done = subprocess.run(
+        [sys.executable, str(path), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: {script}")
