@@ -139,7 +139,8 @@ def test_writing_the_trained_rows_from_a_separate_start_equals_copying_first(sam
     kernel, row = _kernel(20, 16, 8, 3)
     g, steps, batch = 3, 7, 4
     gen = torch.Generator().manual_seed(4)
-    start = row.expand(g, -1) if same_start else row + 0.1 * torch.randn(g, row.numel())
+    noise = torch.randn(g, row.numel(), generator=gen)
+    start = row.expand(g, -1) if same_start else row + 0.1 * noise
     x = torch.randn(g, steps, batch, 20, generator=gen)
     x[..., :3] = 0.0
     y = torch.randint(0, 3, (g, steps, batch), generator=gen)
@@ -161,7 +162,8 @@ def test_full_batch_rows_written_from_a_separate_start_equal_copying_first(same_
     kernel, row = _kernel(20, 16, 8, 3)
     g, steps, n = 3, 5, 6
     gen = torch.Generator().manual_seed(5)
-    start = row.expand(g, -1) if same_start else row + 0.1 * torch.randn(g, row.numel())
+    noise = torch.randn(g, row.numel(), generator=gen)
+    start = row.expand(g, -1) if same_start else row + 0.1 * noise
     x = torch.randn(g, n, 20, generator=gen)
     x[..., :3] = 0.0
     y = torch.randint(0, 3, (g, n), generator=gen)

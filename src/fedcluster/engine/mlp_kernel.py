@@ -565,11 +565,10 @@ class MLPKernel:
         for s in range(n_steps):
             if not s:
                 z = pre + b1.unsqueeze(1)
-            else:
-                if self.low is None:
-                    z = torch.baddbmm(pre, gram, summed, alpha=-lr)
-                else:  # the correction in ``low``, subtracted in float32
-                    z = torch.sub(pre, torch.bmm(gram, summed.to(self.low)), alpha=lr)
+            elif self.low is None:
+                z = torch.baddbmm(pre, gram, summed, alpha=-lr).add_(b1.unsqueeze(1))
+            else:  # the correction in ``low``, subtracted in float32
+                z = torch.sub(pre, torch.bmm(gram, summed.to(self.low)), alpha=lr)
                 z.add_(b1.unsqueeze(1))
             if upper:
                 loss, d = per_step.sgd_step(
