@@ -38,16 +38,14 @@ on the GPU; every time stamp follows ``torch.cuda.synchronize()``.
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:
-    # `python benchmarks/bench_ifca.py` (the form the docs print) runs as the package's module,
-    # the same as `python -m benchmarks.bench_ifca`: its __init__ sets OpenMP's wait policy
-    # before torch loads, and `benchmarks.*` imports resolve on a fresh checkout.
-    import runpy
+if __name__ == "__main__" and not __package__:  # run by path: as the module (as_module.py)
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    runpy.run_module("benchmarks.bench_ifca", run_name="__main__", alter_sys=True)
+    from benchmarks.as_module import run_as_module
+
+    run_as_module(__file__)
     raise SystemExit(0)
 
 import argparse

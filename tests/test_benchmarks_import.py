@@ -17,7 +17,7 @@ BENCHMARKS = sorted(
 def test_benchmark_imports(name: str) -> None:
     module = importlib.import_module(f"benchmarks.{name}")
     source = Path(module.__file__).read_text()
-    if "__main__" in source:  # a script (not a helper module such as common.py) has a main()
+    if 'if __name__ == "__main__"' in source:  # a script (not a helper such as common.py)
         assert callable(getattr(module, "main", None)), f"benchmarks/{name}.py has no main()"
 
 
