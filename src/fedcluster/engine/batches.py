@@ -61,6 +61,11 @@ class LocalTraining:
             return self
         return replace(self, lr=self.lr * self.lr_decay ** max(rnd - 1, 0), lr_decay=1.0)
 
+    @property
+    def plain_step(self) -> bool:
+        """A step is the bare SGD update w -= lr·g: no momentum, no proximal term."""
+        return self.momentum == 0.0 and self.mu == 0.0
+
 
 def batch_plan(
     n_samples: int,

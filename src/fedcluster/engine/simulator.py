@@ -293,8 +293,8 @@ class Simulator(ClientClock):
         without ``steps``: one per epoch), each a permutation of all n samples
         (:func:`~fedcluster.engine.batches.batch_plan`), which the route does not need.
         """
-        plain = cfg.dp is None and cfg.augment == "none" and cfg.momentum == 0.0
-        if self.kernel is None or not plain or cfg.mu != 0.0 or classifier_only:
+        plain = cfg.plain_step and cfg.dp is None and cfg.augment == "none"
+        if self.kernel is None or not plain or classifier_only:
             return None
         sizes = self.federation.train_sizes[clients]
         if len(sizes) == 0 or sizes.max() > cfg.batch_size:
@@ -603,7 +603,7 @@ class Simulator(ClientClock):
 
             return step
 
-        plain_sgd = group_steps is None and cfg.momentum == 0.0 and cfg.mu == 0.0 and first == 0
+        plain_sgd = group_steps is None and cfg.plain_step and first == 0
         deferral = kernel.deferral(cfg.batch_size)
         grams = self._grams if self._grams.suits(deferral * cfg.batch_size) else None
 
