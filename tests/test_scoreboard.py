@@ -124,3 +124,13 @@ def test_paper_order_names_the_cells_algorithms(name: str) -> None:
     cell = CELLS[name]
     config = resolve_config(None, cell.preset, list(cell.sets), {"seeds": [0]})
     assert set(PAPER_ORDER[name][1]) == {a.display_name() for a in config.algorithms}
+
+
+def test_cifar10_scenario3_preset_runs_each_flhc_alone() -> None:
+    """The scoreboard runs CFLGT's CIFAR-10 scenario 3 one method a process
+    (``--algorithms flhc``): Table I's FL+HC (20 clusters) is labelled, so its label
+    selects it alone, not Table II's 10- and 30-cluster entries that share its name."""
+    for label, k in (("flhc", 20), ("flhc-10", 10), ("flhc-30", 30)):
+        config = resolve_config(None, "cflgt-s3-cifar10", [], {}, algorithms=[label])
+        (entry,) = config.algorithms
+        assert (entry.label, entry.name, entry.params["n_clusters"]) == (label, "flhc", k)
