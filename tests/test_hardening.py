@@ -29,7 +29,7 @@ from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import DataError, FedclusterError
 from fedcluster.metrics import TIMING_COLUMNS
 from fedcluster.rundir import RunDirectory, load_checkpoint, save_checkpoint
-from fedcluster.runner import Experiment, build_federation_for, model_for, resume
+from fedcluster.runner import Experiment, Job, build_federation_for, model_for, resume
 
 SETS = [
     "data.dataset=digits",
@@ -245,6 +245,41 @@ def test_a_full_disk_ends_with_one_line_and_a_resumable_run(tmp_path, capsys, mo
     monkeypatch.setattr(safefiles, "_write_all", real)
     assert main(["resume", "--quiet", "--no-report", str(out)]) == 0
     assert _metrics(out) == _metrics(full)
+
+
+def _interrupt_at(monkeypatch, at: int) -> None:
+    """Ctrl-C (KeyboardInterrupt) as round ``at`` starts."""
+    real = Job._round
+
+    def round_or_stop(self, state, rnd):
+        if rnd == at:
+            raise KeyboardInterrupt
+        return real(self, state, rnd)
+
+    monkeypatch.setattr(Job, "_round", round_or_stop)
+
+
+def test_ctrl_c_ends_with_one_line_and_a_resumable_run(tmp_path, capsys, monkeypatch):
+    full = tmp_path / "full"
+    assert main(["run", *ARGS, "--out", str(full)]) == 0
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _interrupt_at(patch, 3)  # after the round-2 checkpoint
+        assert main(["run", *ARGS, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert f"fedcluster: interrupted; `fedcluster resume {out}` continues" in err
+    assert main(["resume", "--quiet", "--no-report", str(out)]) == 0
+    assert _metrics(out) == _metrics(full)
+
+
+def test_ctrl_c_before_the_first_checkpoint_leaves_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, 2)
+    assert main(["run", *ARGS, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "interrupted before the first checkpoint" in err, err
+    assert not out.exists()  # the same command can run again
 
 
 # ----------------------------------------------------------------------- bad clients

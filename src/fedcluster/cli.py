@@ -243,7 +243,7 @@ def _run(args: argparse.Namespace) -> int:
     callbacks = _callbacks(args)
     # a run that fails before its first checkpoint removes the directory it created
     # (RunDirectory.claim), so the same command can run again
-    with _disk_full_is_resumable(out):
+    with _stops_are_resumable(out):
         if getattr(args, "backend", "simulator") == "flower":
             if callbacks:
                 raise FedclusterError("--tensorboard works with the simulator backend only")
@@ -255,12 +255,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) during a run: what to do next, in one line (exit status 130)."""
+
+
 @contextmanager
-def _disk_full_is_resumable(out: Path) -> Iterator[None]:
-    """A full disk (``ENOSPC``) ends the run with one line: the directory keeps its last
-    complete checkpoints (files are replaced atomically), so it can be resumed."""
+def _stops_are_resumable(out: Path) -> Iterator[None]:
+    """A full disk (``ENOSPC``) or Ctrl-C ends the run with one line: the directory
+    keeps its last complete checkpoints (files are replaced atomically), so it can be
+    resumed."""
     try:
         yield
+    except KeyboardInterrupt:
+        has_checkpoint = any((out / "checkpoints").glob("*.pt"))
+        raise Interrupted(
+            f"interrupted; `fedcluster resume {out}` continues from its last checkpoint"
+            if has_checkpoint
+            else "interrupted before the first checkpoint; run it again"
+        ) from None
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -309,7 +321,7 @@ def _resume(args: argparse.Namespace) -> int:
     if not (Path(args.dir) / "config.yaml").exists():
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
     callbacks = _callbacks(args)
-    with _disk_full_is_resumable(Path(args.dir)):
+    with _stops_are_resumable(Path(args.dir)):
         resume(args.dir, progress=not args.quiet, callbacks=callbacks, trust=args.trust)
     _print_summary(Path(args.dir))
     _report(args, Path(args.dir))
@@ -414,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     except FedclusterError as exc:
         print(f"fedcluster: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"fedcluster: {exc}", file=sys.stderr)
+        return 130
     except OSError as exc:  # an unwritable --out, a read-only or /proc path, a name too long
         where = f": {exc.filename}" if exc.filename else ""
         print(f"fedcluster: error: {exc.strerror or exc}{where}", file=sys.stderr)
