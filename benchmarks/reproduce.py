@@ -517,9 +517,11 @@ def cell_table(cell: Cell, jobs: list[Row]) -> list[Row]:
 def load_jobs(runs: list[str]) -> list[Row]:
     """Jobs (algorithm, seed, metric rows) read back from run directories' ``metrics.csv``.
 
-    A run given as ``DIR:0,1`` contributes only seeds 0 and 1.
+    A run given as ``DIR:0,1`` contributes only seeds 0 and 1. A job (algorithm label,
+    seed) found in two runs is refused: its rows would be pooled into one wrong score.
     """
     jobs: dict[tuple[str, int], list[Row]] = {}
+    source: dict[tuple[str, int], str] = {}
     for run in runs:
         run_dir, _, only = run.partition(":")
         seeds = {int(s) for s in only.split(",")} if only else None
@@ -527,11 +529,17 @@ def load_jobs(runs: list[str]) -> list[Row]:
             for r in csv.DictReader(f):
                 if seeds is not None and int(r["seed"]) not in seeds:
                     continue
+                key = (r["algorithm"], int(r["seed"]))
+                if source.setdefault(key, run_dir) != run_dir:
+                    raise ValueError(
+                        f"{key[0]} seed {key[1]} is in both {source[key]} and {run_dir}: "
+                        "summarize them apart, or keep one's seeds with DIR:SEEDS"
+                    )
                 row: Row = {
                     k: float(v) if v else math.nan for k, v in r.items() if k != "algorithm"
                 }
                 row["round"] = int(r["round"])
-                jobs.setdefault((r["algorithm"], int(r["seed"])), []).append(row)
+                jobs.setdefault(key, []).append(row)
     return [{"algorithm": a, "seed": s, "rows": rows} for (a, s), rows in jobs.items()]
 
 
@@ -636,7 +644,11 @@ def main() -> None:
             print("\n".join(paper_order_lines(cell, table)))
         return
     if args.experiment == "summarize":
-        table = score_table(up_to(load_jobs(args.runs), args.upto), args.last)
+        try:
+            jobs = load_jobs(args.runs)
+        except ValueError as exc:
+            raise SystemExit(f"summarize: {exc}") from None
+        table = score_table(up_to(jobs, args.upto), args.last)
     elif args.experiment in CELLS:
         table = run_cell(args.experiment, args)
     else:

@@ -15,6 +15,7 @@ from benchmarks.reproduce import (
     EXPERIMENTS,
     PAPER_ORDER,
     first_round,
+    load_jobs,
     paper_order_lines,
     reached,
     scoreboard_tables,
@@ -134,3 +135,28 @@ def test_cifar10_scenario3_preset_runs_each_flhc_alone() -> None:
         config = resolve_config(None, "cflgt-s3-cifar10", [], {}, algorithms=[label])
         (entry,) = config.algorithms
         assert (entry.label, entry.name, entry.params["n_clusters"]) == (label, "flhc", k)
+
+
+def _metrics_file(folder: Path, rows: list[tuple[int, str, int, float]]) -> str:
+    folder.mkdir()
+    lines = ["round,algorithm,seed,accuracy"] + [f"{r},{a},{s},{acc}" for r, a, s, acc in rows]
+    (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+def test_summarize_refuses_a_job_found_in_two_runs(tmp_path: Path) -> None:
+    """Two runs of one preset family each hold (fedavg, seed 0), e.g. CIFAR-10 scenarios
+    1 and 3: pooled, their rows made one wrong last-20 score; now that is refused, naming
+    both folders, while different seeds or DIR:SEEDS still merge."""
+    s1 = _metrics_file(tmp_path / "s1", [(1, "fedavg", 0, 0.5), (2, "fedavg", 0, 0.6)])
+    s3 = _metrics_file(tmp_path / "s3", [(1, "fedavg", 0, 0.3), (2, "fedavg", 0, 0.4)])
+    with pytest.raises(ValueError, match="fedavg seed 0 is in both .*s1 and .*s3"):
+        load_jobs([s1, s3])
+    other = _metrics_file(tmp_path / "seed1", [(1, "fedavg", 1, 0.7), (2, "fedavg", 1, 0.8)])
+    jobs = load_jobs([s1, other])
+    assert {(j["algorithm"], j["seed"], len(j["rows"])) for j in jobs} == {
+        ("fedavg", 0, 2),
+        ("fedavg", 1, 2),
+    }
+    (job,) = load_jobs([s1, f"{s3}:1"])  # s3's seed 0 left out
+    assert [r["accuracy"] for r in job["rows"]] == [0.5, 0.6]
