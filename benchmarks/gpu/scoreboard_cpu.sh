@@ -57,7 +57,7 @@ jobs() {
   echo "j4-jgl-s0 jgl-fig4-cnn 0 jgl-0.2 10"
   echo "j4-ifca-s0 jgl-fig4-cnn 0 ifca 10"
   # G12: FedGroup Table III, MNIST-MLP, 10 methods, seed 0, the paper's 300 rounds
-  # (0.9 s a round for FedAvg, 1.5 for FedGrouProx over 20 rounds: 4.5-7.5 min).
+  # (3-4.5 min each over 300 rounds on one EPYC core, session 13; 0.9-1.5 s a round early on).
   for a in fedgroup-edc fgp-edc fedprox fgp-madc fedgroup-madc ifca fg-rcc-edc fg-rac-edc \
     fesem fedavg; do
     echo "g12-$a-s0 fedgroup-mnist-mlp 0 $a 300"
