@@ -89,3 +89,19 @@ def test_coefficient_of_variation() -> None:
         coefficient_of_variation(torch.tensor(x), axis=0, ddof=1), [0.5, 0.0]
     )
     assert coefficient_of_variation(x, axis=None) == pytest.approx(np.std(x) / np.mean(x))
+
+
+def test_hopkins_is_independent_of_the_blas_kernels() -> None:
+    """The neighbour distances come from a k-d tree, not BLAS: the statistic equals the one
+    computed from exact pairwise distances in float64 with math.dist (summation of a fixed
+    order), whatever kernels numpy's BLAS picks on this CPU."""
+    data = np.random.default_rng(3).normal(size=(30, 12)) * 3.7
+    value = hopkins(data, rng=np.random.default_rng(5))
+    rng = np.random.default_rng(5)
+    m = 3
+    uniform = rng.uniform(data.min(axis=0), data.max(axis=0), size=(m, 12))
+    u = [min(math.dist(p, q) for q in data) for p in uniform]
+    picks = rng.choice(30, size=m, replace=False)
+    w = [min(math.dist(data[i], data[j]) for j in range(30) if j != i) for i in picks]
+    expected = sum(u) / (sum(u) + sum(w))
+    assert abs(value - expected) <= 1e-14

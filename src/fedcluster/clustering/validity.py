@@ -110,7 +110,9 @@ def hopkins(x: ArrayLike, *, sample_ratio: float = 0.1, rng: np.random.Generator
     if not 0.0 < sample_ratio <= 1.0:
         raise ConfigError(f"sample_ratio: expected a value in (0, 1], got {sample_ratio}")
     m = max(1, round(sample_ratio * n))
-    neighbours = NearestNeighbors(n_neighbors=2).fit(data)
+    # a k-d tree sums each distance's squares in a fixed order: the same value on every
+    # CPU (the brute-force route goes through BLAS, whose kernels differ between CPUs)
+    neighbours = NearestNeighbors(n_neighbors=2, algorithm="kd_tree").fit(data)
     uniform = rng.uniform(data.min(axis=0), data.max(axis=0), size=(m, d))
     u = neighbours.kneighbors(uniform, n_neighbors=1)[0][:, 0]
     sample = data[rng.choice(n, size=m, replace=False)]
