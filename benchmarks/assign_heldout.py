@@ -1,4 +1,4 @@
-"""Test-time cluster choice on held-out devices of a finished rotation run (issue 23 item 3).
+"""Test-time cluster choice on held-out devices of a finished rotation run.
 
 A rotation run (the quickstart: mnist5k, 4 groups at 0/90/180/270 degrees)
 trains on 5,000 images of MNIST's training set. The held-out devices are

@@ -1,4 +1,4 @@
-"""Attacks within the norm bound against plain and robust rules (issue 21, docs/reliability.md).
+"""Attacks within the norm bound against plain and robust rules (docs/reliability.md).
 
 The quickstart federation (5,000 MNIST digits, 24 clients in 4 rotation
 groups, MLP 200-100), 6 of the 24 clients attacking (12 in the mixed

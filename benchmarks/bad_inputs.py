@@ -1,4 +1,4 @@
-"""A family of bad inputs and faults against the CLI (issue 21, docs/reliability.md).
+"""A family of bad inputs and faults against the CLI (docs/reliability.md).
 
 Each case runs ``fedcluster`` (:func:`fedcluster.cli.main`) in a forked child
 with its own working directory, stdout/stderr captured and a time limit, and is

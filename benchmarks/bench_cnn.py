@@ -1,6 +1,6 @@
 """The round benchmark's CNN rows: simulator vs plain loop on convolutional models.
 
-Issue 14, item 5 (goal: the simulator >= 1.1x the plain loop, never slower).
+Goal: the simulator >= 1.1x the plain loop, never slower.
 One FedAvg round -- 16 clients x 200 training images, B = 32, lr 0.05, one
 local epoch, plain SGD, then the sample-weighted average -- for
 
@@ -11,7 +11,7 @@ local epoch, plain SGD, then the sample-weighted average -- for
 - ``resnet8``: a CIFAR ResNet-8 with BatchNorm (:func:`fedcluster.models.resnet8`,
   width 16; its running statistics train and travel in the row),
 - ``lenet-dropout``: LeNet with ``nn.Dropout(0.5)`` after fc 120 and fc 84 (masks
-  from the clients' derived generators; issue 20),
+  from the clients' derived generators),
 
 timed interleaved round by round in one process:
 

@@ -1,4 +1,4 @@
-"""A round under load: quiet vs one competing CPU-bound process (issue 14, item 6).
+"""A round under load: quiet vs one competing CPU-bound process.
 
 The round of ``bench_round.py`` (FedAvg on JGL's setting: 80 clients x 200 MNIST
 samples, MLP 784-512-128-10, B = 32, one epoch, ``Simulator.train`` + the

@@ -1,6 +1,6 @@
 """Federations of 1,000 to 10,000 clients: time per round by step, peak memory.
 
-Issue 14, item 4. FedAvg, IFCA, FedGroup (EDC + k-means++) and DCFL (eq. 2 +
+FedAvg, IFCA, FedGroup (EDC + k-means++) and DCFL (eq. 2 +
 affinity propagation, sampled above 500 participants; ``dcfl-exact``: never
 sampled) run ``--rounds`` rounds on a synthetic clustered
 federation of n clients (``--sizes``, default 1k, 3k, 10k): 4 hidden groups,
@@ -20,7 +20,7 @@ of round 1 and of the later rounds). Every (size, algorithm) runs in its own
 child process, whose peak resident set size (``resource.getrusage``, which
 includes the federation's data) is reported.
 
-Goals (issue 14): 10k clients in <= 8 GB; per-round time linear in the
+Goals: 10k clients in <= 8 GB; per-round time linear in the
 participating clients; clustering at 1k clients <= 10% of the round.
 
 Run from the repository root::

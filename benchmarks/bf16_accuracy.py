@@ -1,4 +1,4 @@
-"""Accuracy and purity with ``precision: bf16`` against fp32 (issue 25, item 3).
+"""Accuracy and purity with ``precision: bf16`` against fp32.
 
 Runs the same config twice, ``precision=fp32`` and ``precision=bf16``, over
 several seeds, and prints per algorithm the mean final accuracy and purity of

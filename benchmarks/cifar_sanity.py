@@ -1,4 +1,4 @@
-"""The centralised sanity row of CIFAR-10 (issue 24, item 2).
+"""The centralised sanity row of CIFAR-10.
 
 The model, input normalisation, optimiser (SGD, lr, momentum, lr decay), batch
 size and augmentation of a CIFAR-10 preset, trained on the *pooled* training

@@ -1,4 +1,4 @@
-"""The clustered methods of issue 23 (PACFL, FedSoft, FedEM, WeCFL) against IFCA,
+"""The recent clustered methods (PACFL, FedSoft, FedEM, WeCFL) against IFCA,
 FedGroup, DCFL and FedAvg (the floor) on three small federations, seeds 0..N-1.
 
 The preset ``compare-cfl`` (16 clients in 4 groups, 100 training samples each, an

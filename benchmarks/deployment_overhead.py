@@ -15,12 +15,12 @@ node answered (``Receiving:`` lines of its log), seconds per request, and, in
 ``process`` mode, the ClientApp's own time per task (the worker's log: pull,
 compute, push), so that a request's time splits into the ClientApp's work and
 Flower's transport and polling. The simulator's wall time for the same config
-gives the ratio the deployment issue asks for (goal: ≤ 5×).
+gives the deployment's overhead ratio (goal: ≤ 5×).
 
     python -m benchmarks.deployment_overhead --out runs/deploy-bench
     python -m benchmarks.deployment_overhead --preset quickstart \\
         --set data.partition.base_options.n_clients=4 --rounds 3 --isolation process
-    # the deployment issue's goal: the whole quickstart on 4 nodes, within 5x the simulator
+    # goal: the whole quickstart on 4 nodes, within 5x the simulator
     python -m benchmarks.deployment_overhead --full --nodes 4 --isolation process
 
 Measure on a quiet machine; on a loaded one the numbers show only that it runs.

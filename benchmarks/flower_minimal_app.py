@@ -1,6 +1,6 @@
 """Per-round time of fedcluster's FedAvg against a minimal hand-written Flower app.
 
-The deployment issue's goal: on the same nodes, a fedcluster round through
+Goal: on the same nodes, a fedcluster round through
 Flower costs at most 1.1x a round of the smallest Flower app one would write
 by hand for the same FedAvg (McMahan et al., 2017: each node trains the
 global model on its clients, the server averages weighted by sample count).

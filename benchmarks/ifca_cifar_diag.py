@@ -1,4 +1,4 @@
-"""IFCA's cluster choices round by round (issue 24, item 2: why IFCA's rotated CIFAR-10
+"""IFCA's cluster choices round by round (why IFCA's rotated CIFAR-10
 ends in one cluster).
 
 Runs a preset like ``fedcluster run`` (same ``--set`` assignments, same run directory)

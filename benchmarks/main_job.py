@@ -1,6 +1,6 @@
 """Wall time of the main job (``fedcluster run``, the quickstart preset), report included.
 
-Issue 12's budget: at most 90 s on 2 cores after install. Runs the README's
+Budget: at most 90 s on 2 cores after install. Runs the README's
 first command as a subprocess with ``taskset`` on two cores where available,
 and prints the wall time with the load average before and after, so a number
 from a busy machine is recognisable as such::

@@ -1,4 +1,4 @@
-"""Faulty clients against plain and robust aggregation (issue 13, docs/reliability.md).
+"""Faulty clients against plain and robust aggregation (docs/reliability.md).
 
 The main job's federation (the quickstart preset: 5,000 MNIST digits, 24
 clients in 4 rotation groups, MLP 200-100), with a share of faulty clients

@@ -16,10 +16,10 @@ seeds; ``--out`` keeps the run directories and a JSON of the table.
     python -m benchmarks.reproduce summarize --runs DIR[:SEEDS] [...] --last 10
     python -m benchmarks.reproduce jgl-fig4-mlp --seeds 3 --out runs/repro   # a CELLS entry
 
-``CELLS`` are the scoreboard's cells that docs/reproduction.md had not measured
-(issue 24): each is a preset with overrides, a default number of rounds (the
-paper's, or the stated reduction) and the table's score; ``--rounds`` changes
-the rounds, ``--seeds`` the seeds.
+``CELLS`` are the scoreboard's cells run by this harness: each is a preset
+with overrides, a default number of rounds (the paper's, or the stated
+reduction) and the table's score; ``--rounds`` changes the rounds, ``--seeds``
+the seeds.
 
 ``--first-seed K`` runs seeds K, K+1, ... (e.g. one seed per process),
 ``--algorithms A,B`` only those of its algorithms (e.g. one process

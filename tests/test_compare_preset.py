@@ -1,6 +1,6 @@
-"""The comparison of issue 23 (preset ``compare-cfl``, ``benchmarks/compare_methods.py``):
-the preset loads with the eight methods, and each setting of the benchmark builds the
-federation its docstring describes."""
+"""The comparison of the recent clustered methods (preset ``compare-cfl``,
+``benchmarks/compare_methods.py``): the preset loads with the eight methods, and each
+setting of the benchmark builds the federation its docstring describes."""
 
 from __future__ import annotations
 

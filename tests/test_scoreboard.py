@@ -1,4 +1,4 @@
-"""docs/reproduction.md's scoreboard (issue 24): its commands name runnable cells whose
+"""docs/reproduction.md's scoreboard: its commands name runnable cells whose
 presets load and whose algorithm entries validate, and its links reach sections of the
 page. Nothing is trained here; the cells themselves run in benchmarks/reproduce.py."""
 

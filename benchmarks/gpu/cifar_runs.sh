@@ -1,5 +1,5 @@
 #!/bin/bash
-# CIFAR-10 as the papers train it, on one GPU (issue 24, item 2; docs/reproduction.md
+# CIFAR-10 as the papers train it, on one GPU (docs/reproduction.md
 # "CIFAR-10"). Five jobs run side by side (each one small-kernel bound, so a GPU runs
 # them together in about the time of the longest), each under a deadline:
 #   sanity      benchmarks/cifar_sanity.py: LeNet with CFLGT's settings, then IFCA's CNN

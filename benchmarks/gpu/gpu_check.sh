@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks of issue 25 item 5, as run on an H200 (docs/benchmarks.md "GPU"):
+# The GPU checks, as run on an H200 (docs/benchmarks.md "GPU"):
 # the same small federation on cpu and cuda (MLP kernel and CNN autograd path, every
 # algorithm), then bench_ifca (fp32, bf16), bench_round and bench_cnn with --device cuda.
 # Run from the repository root with the data under .gpudata/ (mnist/ and cifar10/; a

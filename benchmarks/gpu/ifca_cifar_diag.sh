@@ -1,5 +1,5 @@
 #!/bin/bash
-# Why IFCA's rotated CIFAR-10 ends in one cluster (issue 24, item 2; docs/reproduction.md
+# Why IFCA's rotated CIFAR-10 ends in one cluster (docs/reproduction.md
 # "IFCA's rotated CIFAR-10: why one cluster"), on one GPU. Jobs run side by side, each the
 # preset ifca-rotated-cifar10 (IFCA only) through benchmarks/ifca_cifar_diag.py, which logs
 # every client's loss under both cluster models and its choice (choices.csv, groups.csv;

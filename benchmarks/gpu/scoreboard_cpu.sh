@@ -1,5 +1,5 @@
 #!/bin/bash
-# Scoreboard cells of docs/reproduction.md (issue 24, item 1) on many CPU cores, one
+# Scoreboard cells of docs/reproduction.md on many CPU cores, one
 # single-thread process per core: every job is one algorithm x one seed of a cell of
 # benchmarks/reproduce.py (`CELLS`), run as
 #   OMP_NUM_THREADS=1 taskset -c <core> python -m benchmarks.reproduce <cell> --seeds 1 \
@@ -57,7 +57,7 @@ jobs() {
   echo "j4-jgl-s0 jgl-fig4-cnn 0 jgl-0.2 10"
   echo "j4-ifca-s0 jgl-fig4-cnn 0 ifca 10"
   # G12: FedGroup Table III, MNIST-MLP, 10 methods, seed 0, the paper's 300 rounds
-  # (3-4.5 min each over 300 rounds on one EPYC core, session 13; 0.9-1.5 s a round early on).
+  # (3-4.5 min each over 300 rounds on one EPYC core; 0.9-1.5 s a round early on).
   for a in fedgroup-edc fgp-edc fedprox fgp-madc fedgroup-madc ifca fg-rcc-edc fg-rac-edc \
     fesem fedavg; do
     echo "g12-$a-s0 fedgroup-mnist-mlp 0 $a 300"

@@ -50,7 +50,7 @@ upload, so the server never receives it. Hence
 the reported ε (the maximum over clients of ε spent so far) is monotone and
 never above the target.
 
-Randomness (DESIGN principle 4): client-level noise comes from
+Randomness: client-level noise comes from
 ``torch_rng(seed, "dp", round, client, k)``, DP-SGD noise from
 ``torch_rng(seed, "dp-sgd/<purpose>", round, client, k)``, with k the number
 of uploads the client has released so far: same seed, same noise, and no two

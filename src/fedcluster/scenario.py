@@ -46,7 +46,7 @@ Definitions (round r, clients 0..n−1):
   standard deviations ("A little is enough", Baruch, Baruch, Goldberg,
   NeurIPS 2019), an update inside every norm bound.
 
-All randomness derives from (seed, purpose, round, ...) (DESIGN principle 4),
+All randomness derives from (seed, purpose, round, ...),
 so a run and its resumed continuation see the same scenario.
 """
 

@@ -1,4 +1,4 @@
-"""Any ``nn.Module``, correctly (issue 20, item 1): modes, Dropout's seeded masks,
+"""Any ``nn.Module``, correctly: modes, Dropout's seeded masks,
 BatchNorm statistics that travel (or stay, FedBN), and a user loss everywhere.
 
 Every expected value is computed independently: a manual ``eval()`` pass of a

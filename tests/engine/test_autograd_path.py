@@ -1,4 +1,4 @@
-"""The simulator's generic (autograd) training path for convolutional models (issue 14, item 5)."""
+"""The simulator's generic (autograd) training path for convolutional models."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flat parameter rows (DESIGN principle 2: parameters are rows of a matrix).
+"""Flat parameter rows (parameters are rows of a matrix).
 
 A model is one flat float32 vector of length ``d``; K cluster models are a
 ``[K, d]`` tensor and n client updates an ``[n, d]`` tensor, so averaging,

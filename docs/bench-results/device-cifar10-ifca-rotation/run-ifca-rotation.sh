@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, second device call: IFCA rotated CIFAR-10 seeds 1-2 of the three initialisations
+# Second device call: IFCA rotated CIFAR-10 seeds 1-2 of the three initialisations
 # (12 rounds, choices probed every 3) and JGL's CIFAR-10 table with IFCA (3 seeds, 15 rounds).
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 13 device call: CFLGT Table I/II CIFAR-10 cells on the 16 CPU cores, one job a core,
+# Device call: CFLGT Table I/II CIFAR-10 cells on the 16 CPU cores, one job a core,
 # checkpoints every 5 rounds; whatever is unfinished at the deadline is resumed on the dev machine.
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 13's second device call (the machine still warm, /tmp/r from go13.sh): every
+# The second device call (the machine still warm, /tmp/r from run-tables.sh): every
 # unfinished job resumed from its checkpoint for 215 s more, then packed as before.
 cd /tmp/r && export PYTHONPATH=/tmp/site:$OLDPWD/src:$OLDPWD PYTHONUNBUFFERED=1 FEDCLUSTER_DATA=/tmp/gd OMP_NUM_THREADS=1
 c=0

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11 device call: GPU CIFAR-10 jobs on cores 0-6, the CPU scoreboard batch on 7-15.
+# Device call: GPU CIFAR-10 jobs on cores 0-6, the CPU scoreboard batch on 7-15.
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
