@@ -1,4 +1,4 @@
-"""Gradient inversion against CFLGT's uploads (cflgt-gradient-trajectory.md, Sec. V-D, Fig. 9).
+"""Gradient inversion against CFLGT's uploads (the CFLGT paper, Sec. V-D, Fig. 9).
 
 CFLGT Sec. V-D puts one image on a client that trains one local step, and
 lets an attacker run the inversion of Zhu et al., "Deep leakage from
