@@ -16,7 +16,7 @@ epoch) this prints
    ``--rounds`` rounds, tested on the pooled test data (can the 47 classes be
    learnt at all in that budget).
 
-    python -m benchmarks.jgl_emnist --rounds 16 [--relabel] [--seed 0]
+    python -m benchmarks.reproduction.jgl_emnist --rounds 16 [--relabel] [--seed 0]
 """
 
 from __future__ import annotations

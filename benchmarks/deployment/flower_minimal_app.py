@@ -25,7 +25,8 @@ same node-local files of the quickstart's federation):
 Rounds after the first are compared (the first loads each node's data and
 model on both sides).
 
-    python -m benchmarks.flower_minimal_app runs/minimal-vs-fedcluster --rounds 5 --nodes 4
+    python -m benchmarks.deployment.flower_minimal_app runs/minimal-vs-fedcluster \\
+        --rounds 5 --nodes 4
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ distinct starts, and reports the matmul peak measured in the same process
 
 Run from the repository root::
 
-    python -m benchmarks.ab_round --rev HEAD~1 --rounds 16 --plain --out ab.json
+    python -m benchmarks.performance.ab_round --rev HEAD~1 --rounds 16 --plain --out ab.json
 
 The revision's simulator imports everything else from the working tree, so the
 two versions must agree on the interfaces between ``simulator.py`` and the rest.
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.bench_round import (
+from benchmarks.performance.bench_round import (
     BATCH,
     LR,
     SEED,
@@ -55,7 +55,7 @@ from fedcluster.algorithms.base import init_row
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FILES = {
     "simulator": "src/fedcluster/engine/simulator.py",
     "kernel": "src/fedcluster/engine/mlp_kernel.py",

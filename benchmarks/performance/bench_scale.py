@@ -25,7 +25,7 @@ participating clients; clustering at 1k clients <= 10% of the round.
 
 Run from the repository root::
 
-    python -m benchmarks.bench_scale --sizes 1000,3000,10000 --rounds 3 --out scale.json
+    python -m benchmarks.performance.bench_scale --sizes 1000,3000,10000 --rounds 3 --out scale.json
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     load_before = os.getloadavg()
     for size in (int(s) for s in args.sizes.split(",")):
         for algo in args.algorithms.split(","):
-            cmd = [sys.executable, "-m", "benchmarks.bench_scale", *base]
+            cmd = [sys.executable, "-m", "benchmarks.performance.bench_scale", *base]
             cmd += ["--child-size", str(size), "--child-algorithm", algo]
             try:
                 out = subprocess.run(

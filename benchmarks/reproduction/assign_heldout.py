@@ -13,7 +13,7 @@ per-group table printed here: the accuracy of the label-free choices
 
     fedcluster run --preset quickstart --algorithms ifca,jgl,cflgt,dcfl,fedgroup \\
         --out runs/qs --no-report
-    python -m benchmarks.assign_heldout runs/qs --out runs/qs-heldout
+    python -m benchmarks.reproduction.assign_heldout runs/qs --out runs/qs-heldout
     fedcluster assign runs/qs --data runs/qs-heldout/group2-device0.npz
 """
 

@@ -26,10 +26,11 @@ The script checks that both rounds give the same cluster models.
 Load matters on a shared machine: the output records ``os.getloadavg()``
 before and after; compare only ratios from one run.
 
-    python benchmarks/bench_ifca.py --out ifca.json            # the full 2,400 clients
-    python benchmarks/bench_ifca.py --clients-per-group 30 --ref-clients 120   # a quick check
-    python benchmarks/bench_ifca.py --rounds 2 --precision bf16  # bf16 products
-    python benchmarks/bench_ifca.py --device cuda --clients-per-group 60 --rounds 2 \
+    python benchmarks/performance/bench_ifca.py --out ifca.json            # the full 2,400 clients
+    # a quick check:
+    python benchmarks/performance/bench_ifca.py --clients-per-group 30 --ref-clients 120
+    python benchmarks/performance/bench_ifca.py --rounds 2 --precision bf16  # bf16 products
+    python benchmarks/performance/bench_ifca.py --device cuda --clients-per-group 60 --rounds 2 \
         --data-dir DIR --out ifca-gpu.json                      # on a GPU
 
 With ``--device cuda`` the federation, the simulator and the reference loop run
@@ -42,7 +43,7 @@ if __name__ == "__main__" and not __package__:  # run by path: as the module (as
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.as_module import run_as_module
 
     run_as_module(__file__)
@@ -61,8 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.bench_round import machine_info
 from benchmarks.common import add_device_argument, synchronize
+from benchmarks.performance.bench_round import machine_info
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Context
 from fedcluster.algorithms.evaluation import own_loss_evaluate
@@ -78,7 +79,7 @@ from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 from fedcluster.runner import build_federation_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build(clients_per_group: int, data_dir: str) -> tuple[Federation, object]:

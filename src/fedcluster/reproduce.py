@@ -4,17 +4,17 @@ Each experiment runs a preset over several seeds (every algorithm on the same
 federation, initial model and seeds) and prints a table of mean ± std over
 seeds; ``--out`` keeps the run directories and a JSON of the table.
 
-    python -m benchmarks.reproduce cflgt-s1 --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce fedgroup-mnist --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce fedgroup-synthetic --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce dcfl-table1 --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce dcfl-table1-central --seeds 1 --out runs/repro
-    python -m benchmarks.reproduce dcfl-table1-central-500 --seeds 1 --out runs/repro
-    python -m benchmarks.reproduce dcfl-table2 --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce dcfl-fig5 --seeds 3 --out runs/repro
-    python -m benchmarks.reproduce fedgroup-table1 --seeds 1 --out runs/repro
-    python -m benchmarks.reproduce summarize --runs DIR[:SEEDS] [...] --last 10
-    python -m benchmarks.reproduce jgl-fig4-mlp --seeds 3 --out runs/repro   # a CELLS entry
+    python -m fedcluster.reproduce cflgt-s1 --seeds 3 --out runs/repro
+    python -m fedcluster.reproduce fedgroup-mnist --seeds 3 --out runs/repro
+    python -m fedcluster.reproduce fedgroup-synthetic --seeds 3 --out runs/repro
+    python -m fedcluster.reproduce dcfl-table1 --seeds 3 --out runs/repro
+    python -m fedcluster.reproduce dcfl-table1-central --seeds 1 --out runs/repro
+    python -m fedcluster.reproduce dcfl-table1-central-500 --seeds 1 --out runs/repro
+    python -m fedcluster.reproduce dcfl-table2 --seeds 3 --out runs/repro
+    python -m fedcluster.reproduce dcfl-fig5 --seeds 3 --out runs/repro
+    python -m fedcluster.reproduce fedgroup-table1 --seeds 1 --out runs/repro
+    python -m fedcluster.reproduce summarize --runs DIR[:SEEDS] [...] --last 10
+    python -m fedcluster.reproduce jgl-fig4-mlp --seeds 3 --out runs/repro   # a CELLS entry
 
 ``CELLS`` are the scoreboard's cells run by this harness: each is a preset
 with overrides, a default number of rounds (the paper's, or the stated
@@ -36,7 +36,9 @@ evaluated rounds (DCFL Tables I and II).
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +46,71 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import mean_std, parser, run_setting, save_json
+from fedcluster.config import resolve_config
 from fedcluster.report import format_table
+from fedcluster.rundir import job_summary
+from fedcluster.runner import Experiment
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every reproduction run takes: seeds, rounds, data root, output."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first .. first + seeds - 1")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--data-dir", default=None, help="dataset root (default $FEDCLUSTER_DATA)")
+    p.add_argument("--out", default="runs/benchmarks")
+    return p
+
+
+def run_setting(
+    preset: str | None,
+    sets: list[str],
+    seeds: int,
+    out: Path,
+    data_dir: str | None,
+    rounds: int | None = None,
+    first_seed: int = 0,
+    config_path: str | None = None,
+    only: list[str] | None = None,
+) -> list[dict]:
+    """Run a preset (and/or a config file) with overrides for ``seeds`` seeds; job summaries.
+
+    ``only`` keeps the algorithms of those labels or names, after ``sets`` (``--algorithms``).
+    """
+    overrides = {
+        "seeds": list(range(first_seed, first_seed + seeds)),
+        "data": {"data_dir": data_dir},
+    }
+    if rounds is not None:
+        overrides["rounds"] = rounds
+    config = resolve_config(config_path, preset, sets, overrides)
+    if only:
+        keep = [a for a in config.algorithms if a.label in only or a.name in only]
+        missing = set(only) - {a.label for a in keep} - {a.name for a in keep}
+        if missing:
+            raise SystemExit(f"--algorithms: no algorithm labelled or named {sorted(missing)}")
+        config = config.model_copy(update={"algorithms": keep})
+    results = Experiment(config).run(out, progress=False)
+    summaries = [job_summary(j) for j in results]
+    for s, j in zip(summaries, results, strict=True):
+        s["rows"] = j.rows
+    return summaries
+
+
+def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    """``mean ± std`` of the finite ``values`` times ``scale`` ("-" when there are none)."""
+    vals = [v * scale for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return "-"
+    return f"{np.mean(vals):.{digits}f} ± {np.std(vals):.{digits}f}"
+
+
+def save_json(path: Path, payload: object) -> None:
+    """``payload`` as indented JSON at ``path`` (floats for numpy scalars), folders made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float))
+
 
 Row = dict[str, object]
 

@@ -24,9 +24,10 @@ Federations (``--federation``), both reductions of the docs' rotation preset
   clip 1 per sample. DP-SGD's noise per step is σ·C/(q·n) per coordinate, so
   clients with many records keep their uploads informative.
 
-    python -m benchmarks.dp_modes --seeds 3 --out runs/dp-modes
-    python -m benchmarks.dp_modes --federation records --seeds 3
-    python -m benchmarks.dp_modes --federation records --geometry    # round-1 signal vs noise
+    python -m benchmarks.reproduction.dp_modes --seeds 3 --out runs/dp-modes
+    python -m benchmarks.reproduction.dp_modes --federation records --seeds 3
+    # round-1 signal vs noise:
+    python -m benchmarks.reproduction.dp_modes --federation records --geometry
 
 ``--modes`` and ``--eps`` run a subset of the cells (e.g. more seeds of the
 ε = 10 column). Seeds run outermost, and the JSON of every finished job is rewritten after
@@ -43,12 +44,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import parser, run_setting, save_json
+from benchmarks.common import parser
 from fedcluster.algorithms.base import init_row
 from fedcluster.config import resolve_config
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.privacy import LocalDP
 from fedcluster.report import format_table
+from fedcluster.reproduce import run_setting, save_json
 from fedcluster.runner import build_federation_for, model_for, simulator_for
 
 EPSILONS = (1.0, 3.0, 10.0, 30.0)

@@ -15,8 +15,10 @@ mean} × similarity {cosine, euclidean}, and IFCA, on ``jgl-mnist`` /
 ``jgl-fmnist``; reports the JGL choices that differ from the loss-only choice
 (diagnostic ``differs_from_loss_choice``, summed over rounds and clients).
 
-    python -m benchmarks.cluster_repair repair --settings main --seeds 5 --out runs/repair
-    python -m benchmarks.cluster_repair ablation --settings jgl-mnist --seeds 2 --rounds 10 \\
+    python -m benchmarks.reproduction.cluster_repair repair --settings main --seeds 5 \\
+        --out runs/repair
+    python -m benchmarks.reproduction.cluster_repair ablation --settings jgl-mnist --seeds 2 \\
+        --rounds 10 \\
         --out runs/ablation
 
 ``--rounds`` overrides each setting's rounds, ``--scale`` the JGL tables' size
@@ -29,8 +31,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from benchmarks.common import REPO, mean_std, parser, run_setting, save_json
+from benchmarks.common import REPO, parser
 from fedcluster.report import format_table
+from fedcluster.reproduce import mean_std, run_setting, save_json
 
 MAIN_JOB = str(REPO / "tests" / "golden" / "configs" / "main-job.yaml")
 JGL_TABLE = ["data.partition.relabel=false"]

@@ -32,8 +32,9 @@ and 20 test samples, packed with ``Federation.from_clients``.
 Run from the repository root::
 
     pip install -e '.[flower]'   # Flower part; --skip-flower runs without it
-    python benchmarks/bench_round.py --rounds 5 --out round.json
-    python benchmarks/bench_round.py --device cuda --rounds 3 --data-dir DIR --out gpu.json
+    python benchmarks/performance/bench_round.py --rounds 5 --out round.json
+    python benchmarks/performance/bench_round.py --device cuda --rounds 3 --data-dir DIR \\
+        --out gpu.json
 
 With ``--device cuda`` the federation, the simulator and the plain loop run on
 the GPU (timers bracket ``torch.cuda.synchronize()``), the roofline peak is the
@@ -46,7 +47,7 @@ if __name__ == "__main__" and not __package__:  # run by path: as the module (as
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.as_module import run_as_module
 
     run_as_module(__file__)
@@ -85,7 +86,7 @@ from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 from fedcluster.rng import numpy_rng
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 N_CLUSTERS, PER_CLUSTER, TRAIN_SIZE, TEST_SIZE = 4, 20, 200, 20
 HIDDEN = (512, 128)
 BATCH, LR, SEED = 32, 0.05, 0

@@ -5,7 +5,7 @@ groups, MLP 200-100), 6 of the 24 clients attacking (12 in the mixed
 setting), for FedAvg, IFCA, JGL, DCFL and FedGroup under each aggregation
 rule; the honest clients' final accuracy (``honest_accuracy``, mean over
 seeds) beside the fault-free run over the same clients
-(:func:`benchmarks.reliability.baseline`). The attacks
+(:func:`benchmarks.robustness.reliability.baseline`). The attacks
 (:mod:`fedcluster.scenario`):
 
 - ``x10-25``: updates boosted ×10 (``scaled``);
@@ -16,7 +16,7 @@ seeds) beside the fault-free run over the same clients
   the paper's formula (0.55 for 6 of 24);
 - ``mixed-50``: 25% ×10 and 25% sign flips together.
 
-    python -m benchmarks.attacks --seeds 3 --rounds 15 --out runs/attacks
+    python -m benchmarks.robustness.attacks --seeds 3 --rounds 15 --out runs/attacks
 
 ``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated);
 ``--report`` prints the table of a finished ``results.json``; ``--clusters``
@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import parser
-from benchmarks.reliability import ALGORITHMS as RELIABILITY_ALGORITHMS
-from benchmarks.reliability import RULES, run_table
+from benchmarks.robustness.reliability import ALGORITHMS as RELIABILITY_ALGORITHMS
+from benchmarks.robustness.reliability import RULES, run_table
 
 SETTINGS: dict[str, dict] = {
     "x10-25": {"share": 0.25, "kinds": ["scaled"], "scaled_factor": 10.0},

@@ -9,8 +9,9 @@ both and their difference (goal: within 0.3 points):
   ``--clients-per-group`` clients per rotation (600 in the preset) and
   ``--rounds`` rounds (50 by default).
 
-    python -m benchmarks.bf16_accuracy --setting quickstart --seeds 3 --out runs/bf16-quick
-    python -m benchmarks.bf16_accuracy --setting ifca --seeds 3 --rounds 50 \
+    python -m benchmarks.performance.bf16_accuracy --setting quickstart --seeds 3 \\
+        --out runs/bf16-quick
+    python -m benchmarks.performance.bf16_accuracy --setting ifca --seeds 3 --rounds 50 \
         --clients-per-group 60 --out runs/bf16-ifca
 
 On a CPU without AVX512-BF16/AMX the bf16 run falls back to fp32 (one warning)
@@ -25,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_round import machine_info
-from benchmarks.common import parser, run_setting, save_json
+from benchmarks.common import parser
+from benchmarks.performance.bench_round import machine_info
+from fedcluster.reproduce import run_setting, save_json
 
 SETTINGS = {
     "quickstart": ("quickstart", []),

@@ -9,8 +9,8 @@ it registers under a new node id). Prints when it killed and restarted the
 node and the launcher's exit code; the run directory holds the rest
 (``events.csv``: ``failed`` / ``rejoined``; ``clusters.csv``; ``status.json``).
 
-    python -m benchmarks.flower_lost_node runs/lost-node
-    python -m benchmarks.flower_lost_node runs/lost-node-back --restart
+    python -m benchmarks.deployment.flower_lost_node runs/lost-node
+    python -m benchmarks.deployment.flower_lost_node runs/lost-node-back --restart
 """
 
 from __future__ import annotations

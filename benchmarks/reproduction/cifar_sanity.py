@@ -5,9 +5,9 @@ size and augmentation of a CIFAR-10 preset, trained on the *pooled* training
 images and tested on the 10,000 test images: what the pipeline reaches without
 federation, so that a federated run's shortfall can be told from a pipeline one.
 
-    python -m benchmarks.cifar_sanity --preset cflgt-s2-cifar10 --epochs 1 \\
+    python -m benchmarks.reproduction.cifar_sanity --preset cflgt-s2-cifar10 --epochs 1 \\
         --train-subset 10000 --out runs/cifar/sanity-lenet.json
-    python -m benchmarks.cifar_sanity --preset ifca-rotated-cifar10 --epochs 10 \\
+    python -m benchmarks.reproduction.cifar_sanity --preset ifca-rotated-cifar10 --epochs 10 \\
         --device cuda --out runs/cifar/sanity-ifca.json
 
 Local work per epoch, counted in sample gradients: one epoch of the 50,000 pooled
@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import add_device_argument, default_data_dir, save_json, synchronize
+from benchmarks.common import add_device_argument, default_data_dir, synchronize
 from fedcluster.config import resolve_config
 from fedcluster.data.sources import load_dataset
 from fedcluster.data.transforms import AUGMENTATIONS, NORMALISATIONS, random_crop_flip
 from fedcluster.engine.device import resolve_device
 from fedcluster.models import build_model
+from fedcluster.reproduce import save_json
 from fedcluster.rng import torch_rng
 
 EVAL_CHUNK = 2000

@@ -32,7 +32,8 @@ DLG's dummy matches ``v`` itself); :meth:`Victim.from_features` turns exact
 features (here the real image's) into the image nearest the training set's
 mean image that has them.
 
-    python -m benchmarks.gradient_leakage --images 10 --seed 0 --png docs/img/dlg_cflgt_dnn.png
+    python -m benchmarks.reproduction.gradient_leakage --images 10 --seed 0 \\
+        --png docs/img/dlg_cflgt_dnn.png
 
 The model is the CFLGT preset's (``cflgt-s1``: Fashion-MNIST, ``dnn``, 784-200-10
 with ReLU) at its initialisation (``init_row(model, seed, "init")``, the round-1

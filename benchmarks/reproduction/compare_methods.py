@@ -17,8 +17,8 @@ FedEM runs twice: at the preset's learning rate and at M = 4 times it
 clustered methods of today"). Writes ``compare_methods.json`` (every job's summary
 and the table) and ``compare_methods.md`` (the table) under ``--out``:
 
-    nice python -m benchmarks.compare_methods --seeds 3 --out runs/compare
-    nice python -m benchmarks.compare_methods --settings label-skew --out runs/compare
+    nice python -m benchmarks.reproduction.compare_methods --seeds 3 --out runs/compare
+    nice python -m benchmarks.reproduction.compare_methods --settings label-skew --out runs/compare
 
 ``--settings`` runs a subset (e.g. one per process); ``summarize`` rebuilds the
 table from the JSON files that such runs wrote into ``--out``.
@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.common import mean_std, parser, run_setting, save_json
+from benchmarks.common import parser
 from fedcluster.report import format_table
+from fedcluster.reproduce import mean_std, run_setting, save_json
 
 PRESET = "compare-cfl"
 FEDEM_LR_FACTOR = 4  # M components (module docstring)

@@ -16,7 +16,7 @@ directories, ``verify``, races of two runs on one ``--out``, and a full disk
 (a real tmpfs of a few hundred KiB when it can be mounted, else ``ENOSPC``
 injected into the run directory's writes).
 
-    PYTHONPATH=src:. nice python -m benchmarks.bad_inputs --out runs/bad-inputs
+    PYTHONPATH=src:. nice python -m benchmarks.robustness.bad_inputs --out runs/bad-inputs
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ printed beside the times.
 
 Run from the repository root::
 
-    python -m benchmarks.bench_contention --rounds 5 --policies --out contention.json
+    python -m benchmarks.performance.bench_contention --rounds 5 --policies --out contention.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_round import (
+from benchmarks.common import save_run
+from benchmarks.performance.bench_round import (
     BATCH,
     LR,
     SEED,
@@ -41,7 +42,6 @@ from benchmarks.bench_round import (
     measure,
     sim_round,
 )
-from benchmarks.common import save_run
 from fedcluster.algorithms.base import init_row
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
@@ -105,7 +105,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         child = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--policies"]
         for policy in ("PASSIVE", "ACTIVE"):
             env = {**os.environ, "OMP_WAIT_POLICY": policy}
-            cmd = [sys.executable, "-m", "benchmarks.bench_contention", *child, "--json"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.performance.bench_contention",
+                *child,
+                "--json",
+            ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             results[policy] = json.loads(out.stdout.strip().splitlines()[-1])[policy]
     if args.json:

@@ -17,11 +17,11 @@ compute, push), so that a request's time splits into the ClientApp's work and
 Flower's transport and polling. The simulator's wall time for the same config
 gives the deployment's overhead ratio (goal: ≤ 5×).
 
-    python -m benchmarks.deployment_overhead --out runs/deploy-bench
-    python -m benchmarks.deployment_overhead --preset quickstart \\
+    python -m benchmarks.deployment.deployment_overhead --out runs/deploy-bench
+    python -m benchmarks.deployment.deployment_overhead --preset quickstart \\
         --set data.partition.base_options.n_clients=4 --rounds 3 --isolation process
     # goal: the whole quickstart on 4 nodes, within 5x the simulator
-    python -m benchmarks.deployment_overhead --full --nodes 4 --isolation process
+    python -m benchmarks.deployment.deployment_overhead --full --nodes 4 --isolation process
 
 Measure on a quiet machine; on a loaded one the numbers show only that it runs.
 """
@@ -36,8 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import default_data_dir, save_json
+from benchmarks.common import default_data_dir
 from fedcluster.config import resolve_config
+from fedcluster.reproduce import save_json
 from fedcluster.runner import Experiment
 
 TASK = re.compile(r"task \d+ \(([\w.]+)\): ([\d.]+) s")

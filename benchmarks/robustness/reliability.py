@@ -9,7 +9,7 @@ FedAvg, IFCA, JGL, CFLGT, DCFL and FedGroup, under the plain weighted average
 sound clients (``honest_accuracy`` in diagnostics.csv; mean over seeds) per
 algorithm, setting and rule, beside the fault-free run over the same clients.
 
-    python -m benchmarks.reliability --seeds 3 --rounds 10 --out runs/reliability
+    python -m benchmarks.robustness.reliability --seeds 3 --rounds 10 --out runs/reliability
 
 ``--settings`` / ``--rules`` / ``--algorithms`` run subsets (comma-separated).
 Accuracy is deterministic (same config + seed = same numbers), so the
@@ -26,9 +26,10 @@ from typing import get_args
 
 import numpy as np
 
-from benchmarks.common import parser, run_setting, save_json
+from benchmarks.common import parser
 from fedcluster.config import AggregationConfig, AggregationRule
 from fedcluster.report import format_table
+from fedcluster.reproduce import run_setting, save_json
 
 # name -> scenario.faulty section (share of the 24 clients and their faults)
 SETTINGS: dict[str, dict] = {  # in the order they run: the goals' settings first

@@ -15,7 +15,7 @@ probe, client, group, loss_0 .. loss_{K-1}, choice) and ``groups.csv`` (per roun
 and kind: for each group the share choosing each model and the mean loss of each
 model). One line per probe round is printed::
 
-    python -m benchmarks.ifca_cifar_diag --preset ifca-rotated-cifar10 --rounds 3 \\
+    python -m benchmarks.reproduction.ifca_cifar_diag --preset ifca-rotated-cifar10 --rounds 3 \\
         --set data.partition.base_options.n_clients=5 --set train.epochs=1 \\
         --set participation.fraction=0.5 --out runs/ifca-diag
 """

@@ -9,7 +9,7 @@ load). Only ratios within one run mean anything on a shared machine
 (docs/benchmarks.md); the first round, which fills each simulator's Gram cache
 and finds the distinct test sets, is reported apart from the median of the others.
 
-    python -m benchmarks.ab_ifca --rev main --precision bf16 --rounds 5
+    python -m benchmarks.performance.ab_ifca --rev main --precision bf16 --rounds 5
 
 The revision's ``simulator.py``, ``mlp_kernel.py`` and ``model_eval.py`` are
 loaded beside the working tree's (everything else comes from the working tree,
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.ab_round import FILES, load_revision
-from benchmarks.bench_ifca import build
+from benchmarks.performance.ab_round import FILES, load_revision
+from benchmarks.performance.bench_ifca import build
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.simulator import Simulator

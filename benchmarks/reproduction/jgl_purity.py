@@ -6,7 +6,7 @@ models and with IFCA's good initializer, over several seeds. The Fig. 2 table
 is scaled (default 0.27, about 200 samples per client, the DESIGN speed
 setting) to keep the sweep within minutes on 2 cores.
 
-    python -m benchmarks.jgl_purity --seeds 5 --rounds 30 --out runs/jgl-purity
+    python -m benchmarks.reproduction.jgl_purity --seeds 5 --rounds 30 --out runs/jgl-purity
 
 ``--settings global-random,relabel-good`` runs a subset of the four settings
 (tags ``{global,relabel}-{random,good}``), e.g. one per process.
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import mean_std, parser, run_setting, save_json
+from benchmarks.common import parser
 from fedcluster.report import format_table
+from fedcluster.reproduce import mean_std, run_setting, save_json
 
 ALGORITHMS = (
     "[{name: jgl, label: jgl-0.1, params: {n_clusters: 4, lam: 0.1, INIT}},"

@@ -32,9 +32,10 @@ measured fp32 ``torch.mm`` peak; the script also checks that (a) and (b) equal
 
 Run from the repository root::
 
-    python -m benchmarks.bench_cnn --rounds 3 --out cnn.json
-    python -m benchmarks.bench_cnn --rounds 3 --models resnet8,lenet-dropout
-    python -m benchmarks.bench_cnn --device cuda --rounds 2 --data-dir DIR --out cnn-gpu.json
+    python -m benchmarks.performance.bench_cnn --rounds 3 --out cnn.json
+    python -m benchmarks.performance.bench_cnn --rounds 3 --models resnet8,lenet-dropout
+    python -m benchmarks.performance.bench_cnn --device cuda --rounds 2 --data-dir DIR \\
+        --out cnn-gpu.json
 
 With ``--device cuda`` the federation, the simulator and the plain loop run on
 the GPU (timers bracket ``torch.cuda.synchronize()``) and the roofline peak is
@@ -54,14 +55,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.bench_round import (
+from benchmarks.common import add_device_argument, save_run
+from benchmarks.performance.bench_round import (
     THREADS,
     default_data_dir,
     matmul_peak,
     measure,
     summarize,
 )
-from benchmarks.common import add_device_argument, save_run
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
