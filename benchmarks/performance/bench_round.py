@@ -1,7 +1,7 @@
 # ruff: noqa: E402  (the run-as-module shim below precedes the imports)
 """Round speed on the JGL setting: fedcluster's simulator vs a plain loop vs Flower.
 
-The acceptance benchmark of the foundation issue. One FedAvg round -- all 80
+The simulator's headline benchmark. One FedAvg round -- all 80
 clients train one local epoch (B = 32, lr 0.05, plain SGD) from the same
 global row, then the sample-weighted average -- on the JGL MNIST setting
 (80 clients x 200 real MNIST samples, MLP 784-512-128-10), timed in one process:
