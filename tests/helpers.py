@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fedcluster.algorithms.base import Context, init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 
@@ -143,7 +145,7 @@ def digits_config(name: str, rounds: int, algorithms: list[dict] | None = None) 
 # Two float32 computations of the same training that differ only in the order of
 # their sums (the batched simulator vs the plain loop, the MLP kernel vs autograd,
 # a group of clients vs one client alone) do not agree bit for bit, and by how
-# much depends on the CPU's kernels (issue 13: a CNN differed by 2.2e-5 on an
+# much depends on the CPU's kernels (a CNN's trained rows differed by 2.2e-5 on an
 # AVX-512 Xeon). The bound below follows from the arithmetic instead of from one
 # machine:
 #
@@ -247,3 +249,99 @@ def assert_same_run(expected: Path, got: Path, rel: float = 0.0) -> list[dict[st
             )
     assert (expected / "clusters.csv").read_text() == (got / "clusters.csv").read_text()
     return want
+
+
+# --------------------------------------------------- float32 evaluation bounds
+#
+# An evaluation (logits, cross-entropy, argmax) is a fixed chain of sums, so its
+# rounding error has a deterministic bound (Higham, "Accuracy and Stability of
+# Numerical Algorithms", 2nd ed., Sect. 3.1): a float32 sum of n terms, in any
+# order, is off by at most γ_n·Σ|terms|, γ_n = n·eps/(1 − n·eps). Two evaluations
+# that sum in different orders (a batch of 25 samples or of 225, one model or K
+# side by side, AVX2 or AVX-512 kernels) differ by at most twice that bound.
+
+
+def _fan_ins(layout: ParamLayout) -> list[int]:
+    """Terms of one output's sum in each Linear / Conv2d layer: its products and the bias."""
+    out = []
+    for m in layout.module.modules():
+        if isinstance(m, torch.nn.Linear):
+            out.append(m.in_features + 1)
+        elif isinstance(m, torch.nn.Conv2d):
+            out.append(m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1] + 1)
+    return out
+
+
+def logit_error_bound(layout: ParamLayout, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per sample and class [N, C], a bound on |float32 logits − exact logits| of the
+    model ``row`` (Linear / Conv2d layers, ReLU, max pooling) on ``x``, whatever the
+    order of its sums.
+
+    Layer l computes sums of n_l terms; with M_l the forward pass of |row| on |x| in
+    float64 (each output's Σ|terms|, bounded layer by layer), its error e_l obeys
+    e_l ≤ γ_{n_l}·M_l + (1 + γ_{n_l})·|W_l|·e_{l−1} (ReLU and max pooling do not
+    enlarge a difference), so e_L ≤ (∏_l (1 + γ_{n_l}) − 1)·M_L.
+    """
+    magnitude = layout.forward(row.abs().double(), x.abs().double())
+    growth = 1.0
+    for n in _fan_ins(layout):
+        growth *= 1.0 + n * FLOAT32_EPS / (1.0 - n * FLOAT32_EPS)
+    return (growth - 1.0) * magnitude
+
+
+def cross_entropy_error_bound(
+    layout: ParamLayout, row: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample [N]: a bound on |float32 cross-entropy − exact| of ``row`` on ``x``
+    and on |float32 logit − exact logit| (the largest over the classes).
+
+    Cross-entropy log Σ_c exp(z_c) − z_y changes by at most 2·max_c |Δz_c| when the
+    logits change; its own float32 evaluation takes at most C + 8 roundings (the
+    shift by max z, C exponentials of a few ulps, their C-term sum, the log, the two
+    subtractions), each relative to a value below 2·max|z| + log C.
+    """
+    logits = layout.forward(row, x).double()
+    n_classes = logits.shape[1]
+    logit_bound = logit_error_bound(layout, row, x).max(dim=1).values
+    scale = 2 * logits.abs().max(dim=1).values + math.log(n_classes)
+    own = (n_classes + 8) * FLOAT32_EPS * scale
+    return 2 * logit_bound + own, logit_bound
+
+
+def undecided_argmax(logits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Per sample, whether two evaluations each within ``bound`` of the exact logits
+    may pick different classes: the top two of ``logits`` lie within 4·bound."""
+    top = logits.double().topk(2, dim=1).values
+    return top[:, 0] - top[:, 1] <= 4 * bound
+
+
+def evaluation_bounds(
+    fed: Federation, model: torch.nn.Module, rows: torch.Tensor, split: str = "test"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per client and model [n, K], the bounds of one float32 evaluation (in eval
+    mode) of the models ``rows`` on each client's ``split``: on its summed
+    cross-entropy (the float64 sum of the samples' bounds, plus that sum's own
+    rounding) and on its correct predictions (the samples whose argmax is
+    undecided). Two evaluations in different orders differ by at most twice the
+    loss bound and by at most the undecided count."""
+    layout = ParamLayout(model)
+    was_training = model.training
+    model.eval()
+    x_all, y_all = (fed.x_test, fed.y_test) if split == "test" else (fed.x_train, fed.y_train)
+    loss_tol = np.zeros((fed.n_clients, len(rows)))
+    undecided = np.zeros((fed.n_clients, len(rows)), dtype=np.int64)
+    try:
+        with torch.no_grad():
+            for c in range(fed.n_clients):
+                sl = fed.client_slice(c, split)
+                x, y = x_all[sl], y_all[sl]
+                for j, row in enumerate(rows):
+                    per_sample, logit_bound = cross_entropy_error_bound(layout, row, x)
+                    logits = layout.forward(row, x)
+                    loss = F.cross_entropy(logits, y, reduction="none").double()
+                    float64_sum = len(y) * np.finfo(np.float64).eps * float(loss.sum())
+                    loss_tol[c, j] = float(per_sample.sum()) + float64_sum
+                    undecided[c, j] = int(undecided_argmax(logits, logit_bound).sum())
+    finally:
+        model.train(was_training)
+    return loss_tol, undecided

@@ -1,4 +1,4 @@
-"""The Python API without a preset, and resuming its runs from anywhere (issue 20 items 3-4).
+"""The Python API without a preset, and resuming its runs from anywhere.
 
 The user's model and data live in a module written to ``tmp_path`` (outside
 ``src/``), as a researcher's own code would: three hidden groups of real digits

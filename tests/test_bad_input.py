@@ -1,4 +1,4 @@
-"""Bad input of the classes issue 13 found ending in tracebacks or silent nonsense.
+"""Bad input that once ended in tracebacks or silent nonsense.
 
 Each case goes through the CLI: exit code 2, one ``fedcluster: error:`` line
 naming the file or key, no traceback, and no run directory left behind.
@@ -60,7 +60,7 @@ def _nested(tmp_path):
     return ["--set", "x=" + "[" * 50_000 + "]" * 50_000], "nested deeper than"
 
 
-ISSUE_21 = {  # one-line errors of what issue 21 found ending in a traceback, hang or nonsense
+HOSTILE_FILES = {  # one-line errors of hostile files and paths (no traceback, hang or nonsense)
     "anchor-bomb": _anchor_bomb,
     "nested-50000": _nested,
     "config-dev-zero": lambda tmp_path: (["/dev/zero"], "not a regular file"),
@@ -87,7 +87,7 @@ ISSUE_21 = {  # one-line errors of what issue 21 found ending in a traceback, ha
 }
 
 CASES = {
-    **ISSUE_21,
+    **HOSTILE_FILES,
     "config-is-a-directory": _directory,
     "empty-config": _empty,
     "out-is-a-file": _out_is_a_file,

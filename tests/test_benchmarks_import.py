@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).parents[1]
 BENCHMARKS = sorted(
-    p.stem for p in (Path(__file__).parents[1] / "benchmarks").glob("*.py") if p.stem != "__init__"
+    ".".join(p.relative_to(ROOT / "benchmarks").with_suffix("").parts)
+    for p in (ROOT / "benchmarks").rglob("*.py")
+    if p.stem != "__init__" and p.parent.name != "gpu"
 )
+KINDS = ("performance", "reproduction", "robustness", "deployment")
+
+
+def test_benchmarks_are_grouped_by_kind() -> None:
+    """Scripts live in a folder of their kind; only shared helpers sit at the top."""
+    top = {name for name in BENCHMARKS if "." not in name}
+    assert top == {"as_module", "common"}
+    assert {name.split(".")[0] for name in BENCHMARKS} - top == set(KINDS)
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -18,13 +29,13 @@ def test_benchmark_imports(name: str) -> None:
     module = importlib.import_module(f"benchmarks.{name}")
     source = Path(module.__file__).read_text()
     if 'if __name__ == "__main__"' in source:  # a script (not a helper such as common.py)
-        assert callable(getattr(module, "main", None)), f"benchmarks/{name}.py has no main()"
+        assert callable(getattr(module, "main", None)), f"benchmarks.{name} has no main()"
 
 
 def test_scale_benchmark_times_functions_that_exist() -> None:
     """bench_scale wraps named clustering/aggregation functions with timers; a renamed
     or moved function must fail here, not in a 10,000-client child process."""
-    from benchmarks.bench_scale import STEPS
+    from benchmarks.performance.bench_scale import STEPS
 
     for modules in STEPS.values():
         for module_name, names in modules.items():
@@ -40,10 +51,18 @@ def test_scale_benchmark_splits_clustering_by_round(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from benchmarks.bench_scale import clustering_shares
+    from benchmarks.performance.bench_scale import clustering_shares
 
     out = tmp_path / "scale.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_scale", "--sizes", "200", "--rounds", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.performance.bench_scale",
+        "--sizes",
+        "200",
+        "--rounds",
+        "3",
+    ]
     cmd += ["--algorithms", "fedgroup", "--threads", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=Path(__file__).parents[1])
     (result,) = json.loads(out.read_text())["results"]
@@ -57,18 +76,20 @@ def test_scale_benchmark_splits_clustering_by_round(tmp_path: Path) -> None:
     assert later == pytest.approx(sum(per["clustering_seconds"][1:]) / sum(total[1:]))
 
 
-@pytest.mark.parametrize("script", ["bench_round.py", "bench_ifca.py"])
+@pytest.mark.parametrize("script", ["performance/bench_round.py", "performance/bench_ifca.py"])
 def test_the_scripts_the_docs_run_as_files_start_on_a_fresh_checkout(script, tmp_path):
-    """`python benchmarks/bench_ifca.py ...` (the docs' form) finds the `benchmarks`
-    package without PYTHONPATH, from any working directory."""
+    """`python benchmarks/performance/bench_ifca.py ...` (the docs' form) finds the `benchmarks`
+    package without the repository on PYTHONPATH, from any working directory (the
+    path names only this checkout's fedcluster, as an installed checkout would)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    path = Path(__file__).parents[1] / "benchmarks" / script
+    env["PYTHONPATH"] = str(ROOT / "src")
+    path = ROOT / "benchmarks" / script
     done = subprocess.run(
         [sys.executable, str(path), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"usage: {script}")
+    assert done.stdout.startswith(f"usage: {Path(script).name}")

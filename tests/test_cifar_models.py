@@ -1,4 +1,4 @@
-"""The CIFAR-10 models the papers name (issue 24, item 2): LeNet (JGL Fig. 3, CFLGT
+"""The CIFAR-10 models the papers name: LeNet (JGL Fig. 3, CFLGT
 Sec. V-A) and IFCA's CNN (reference code cifar/cifar10.py), against the references'
 layer shapes, TensorFlow's LRN and 'SAME' pooling, and the reference initialisation."""
 

@@ -1,4 +1,4 @@
-"""Test-time cluster choice (``fedcluster assign``, issue 23 item 3): the rules against
+"""Test-time cluster choice (``fedcluster assign``): the rules against
 hand computations, the choice on separated data, bad files, and a CLI round trip."""
 
 from __future__ import annotations

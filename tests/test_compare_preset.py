@@ -1,12 +1,12 @@
-"""The comparison of issue 23 (preset ``compare-cfl``, ``benchmarks/compare_methods.py``):
-the preset loads with the eight methods, and each setting of the benchmark builds the
-federation its docstring describes."""
+"""The comparison of the recent clustered methods (preset ``compare-cfl``,
+``benchmarks/reproduction/compare_methods.py``): the preset loads with the eight methods, and each
+setting of the benchmark builds the federation its docstring describes."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.compare_methods import _SKEW_TABLE, PRESET, SETTINGS
+from benchmarks.reproduction.compare_methods import _SKEW_TABLE, PRESET, SETTINGS
 from fedcluster.config import resolve_config
 from fedcluster.runner import build_federation_for
 

@@ -71,7 +71,7 @@ def test_the_tutorial_runs_as_written(tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), flags=re.S)
     program = "".join(blocks)
     lines = [line for line in program.splitlines() if line.strip()]
-    assert len(lines) <= 80  # the bound for the whole study (blank lines aside)
+    assert len(lines) <= 80  # the whole study in 80 lines (blank lines aside)
     assert program.count("rounds=20") == 1
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "tutorial"}

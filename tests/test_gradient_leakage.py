@@ -1,4 +1,4 @@
-"""CFLGT Sec. V-D / Fig. 9 in small (benchmarks/gradient_leakage.py): DLG on one image.
+"""CFLGT Sec. V-D / Fig. 9 in small (benchmarks/reproduction/gradient_leakage.py): DLG on one image.
 
 The captured upload is checked against torch.autograd's gradient of the one-image
 loss, and the differentiable trajectory the attacker matches against fedcluster's own
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.gradient_leakage import Victim, dnn_sigmoid, image_mse, invert
+from benchmarks.reproduction.gradient_leakage import Victim, dnn_sigmoid, image_mse, invert
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.sources import load_dataset
 from fedcluster.rng import torch_rng

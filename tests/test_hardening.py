@@ -1,4 +1,4 @@
-"""Issue 21: run directories that cannot be raced or redirected, checkpoints bound to their
+"""Run directories that cannot be raced or redirected, checkpoints bound to their
 config, one client's bad data contained, and a full disk that leaves a resumable run.
 
 Runs are tiny (scikit-learn's digits, 4 clients, 1-layer MLP of 8 units, 2-4 rounds).
@@ -73,7 +73,7 @@ def stopped(tmp_path) -> Path:
 
 
 def test_a_second_run_with_the_same_out_never_touches_the_first(tmp_path, capsys):
-    """Issue 21's race: a second `run --out SAME` while the first runs exits 2 ("in use")
+    """A race: a second `run --out SAME` while the first runs exits 2 ("in use")
     and the first run completes untouched; once it finished, "not empty", again untouched."""
     out = tmp_path / "run"
     slow = textwrap.dedent(f"""

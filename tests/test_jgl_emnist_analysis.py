@@ -1,11 +1,12 @@
-"""benchmarks/jgl_emnist.py's measurements against hand computations (docs/reproduction.md,
-"JGL's EMNIST setting"): the clusters' label overlap and repair's test on a cosine matrix."""
+"""benchmarks/reproduction/jgl_emnist.py's measurements against hand computations
+(docs/reproduction.md, "JGL's EMNIST setting"): the clusters' label overlap and repair's
+test on a cosine matrix."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.jgl_emnist import _split_separations, label_overlap
+from benchmarks.reproduction.jgl_emnist import _split_separations, label_overlap
 
 
 def test_label_overlap_by_hand() -> None:

@@ -21,7 +21,7 @@ def test_importing_the_config_loads_no_algorithm_and_no_engine():
 
 
 def test_importing_fedcluster_changes_nothing_in_the_process():
-    # issue 20: no environment variable, no matplotlib backend, no pyplot on import
+    # no environment variable, no matplotlib backend, no pyplot on import
     code = (
         "import os, matplotlib\n"
         "matplotlib.use('svg')\n"

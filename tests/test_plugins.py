@@ -1,4 +1,4 @@
-"""Methods, partitions and datasets as plugins (issue 20 item 5, fedcluster.plugins).
+"""Methods, partitions and datasets as plugins (fedcluster.plugins).
 
 Every plugin here lives outside ``src/``: a module written to ``tmp_path``, named
 from YAML by its import path, or a small installed package whose

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from benchmarks.dp_modes import BUDGET, FEDERATIONS
+from benchmarks.reproduction.dp_modes import BUDGET, FEDERATIONS
 from fedcluster.algorithms.base import init_row
 from fedcluster.config import resolve_config
 from fedcluster.dp import (
@@ -111,7 +111,7 @@ def test_prv_calibration_is_the_accountants_answer():
 
 
 def test_record_level_ledger_is_opacus_for_a_known_configuration():
-    """docs/privacy.md's record-level federation (``benchmarks.dp_modes --federation
+    """docs/privacy.md's record-level federation (``benchmarks.reproduction.dp_modes --federation
     records``): 1,500 samples, B = 64, one epoch, 16 uploads at (ε = 10, δ = 1e-5)."""
     sets = [*FEDERATIONS["records"].sets, "privacy.mode=record", BUDGET, "privacy.epsilon=10"]
     dp = LocalDP.from_config(resolve_config(None, "rotation", sets), np.array([1500]), 0)

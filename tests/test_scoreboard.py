@@ -1,6 +1,6 @@
-"""docs/reproduction.md's scoreboard (issue 24): its commands name runnable cells whose
+"""docs/reproduction.md's scoreboard: its commands name runnable cells whose
 presets load and whose algorithm entries validate, and its links reach sections of the
-page. Nothing is trained here; the cells themselves run in benchmarks/reproduce.py."""
+page. Nothing is trained here; the cells themselves run in src/fedcluster/reproduce.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reproduce import (
+from fedcluster.algorithms.base import check_algorithms
+from fedcluster.config import resolve_config
+from fedcluster.reproduce import (
     CELLS,
     EXPERIMENTS,
     PAPER_ORDER,
@@ -20,8 +22,6 @@ from benchmarks.reproduce import (
     reached,
     scoreboard_tables,
 )
-from fedcluster.algorithms.base import check_algorithms
-from fedcluster.config import resolve_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reproduction.md"
 
@@ -44,7 +44,7 @@ def _slug(heading: str) -> str:
 
 
 def test_scoreboard_names_reproduce_experiments_that_exist() -> None:
-    names = set(re.findall(r"python -m benchmarks\.reproduce ([\w-]+)", DOC.read_text()))
+    names = set(re.findall(r"python -m fedcluster\.reproduce ([\w-]+)", DOC.read_text()))
     assert names & set(CELLS), "the scoreboard names no cell"
     unknown = names - set(CELLS) - set(EXPERIMENTS) - {"summarize", "scoreboard"}
     assert not unknown, f"docs/reproduction.md runs unknown experiments {sorted(unknown)}"

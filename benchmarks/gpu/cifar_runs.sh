@@ -1,14 +1,14 @@
 #!/bin/bash
-# CIFAR-10 as the papers train it, on one GPU (issue 24, item 2; docs/reproduction.md
+# CIFAR-10 as the papers train it, on one GPU (docs/reproduction.md
 # "CIFAR-10"). Five jobs run side by side (each one small-kernel bound, so a GPU runs
 # them together in about the time of the longest), each under a deadline:
-#   sanity      benchmarks/cifar_sanity.py: LeNet with CFLGT's settings, then IFCA's CNN
+#   sanity      benchmarks/reproduction/cifar_sanity.py: LeNet with CFLGT's settings, then IFCA's CNN
 #               with IFCA's, on the pooled training images (test accuracy per epoch)
 #   s2-cflgt, s2-ifca, s2-fedavg
 #               preset cflgt-s2-cifar10 (CFLGT Table I, Cifar scenario 2: 65.72 / 60.20 /
 #               50.51 last-20-round mean), $ROUNDS_S2 rounds (25 of pre-training)
 #   rot-ifca    preset ifca-rotated-cifar10 (IFCA Table 1: 81.51%), $ROUNDS_ROT rounds
-# then a table per setting (benchmarks/reproduce.py summarize: last-20 / final accuracy,
+# then a table per setting (src/fedcluster/reproduce.py summarize: last-20 / final accuracy,
 # clusters, purity, ARI). Everything is written under $OUT: sanity-lenet-e<epochs>.json,
 # sanity-ifca-cnn-e<epochs>.json (one row per epoch), runs/<job>-r<rounds>/ (run
 # directories: metrics.csv, clusters.csv, checkpoints/), logs/<job>.log,
@@ -82,7 +82,7 @@ sanity() {
   local file="$OUT/sanity-$1-e$3.json" left=$((DEADLINE - SECONDS))
   if grep -q '"complete": true' "$file" 2>/dev/null; then echo "sanity $1: complete"; return; fi
   if [ "$left" -lt 30 ]; then echo "sanity $1: no time left"; return; fi
-  timeout -s INT "$left" python3 -m benchmarks.cifar_sanity --preset "$2" --epochs "$3" \
+  timeout -s INT "$left" python3 -m benchmarks.reproduction.cifar_sanity --preset "$2" --epochs "$3" \
     --device "$DEVICE" --data-dir "$DATA" --train-subset "$SANITY_SUBSET" --out "$file"
   echo "sanity $1: exit $? at $((SECONDS - T0)) s"
 }
@@ -107,7 +107,7 @@ summary() {
   local out=$1 last=$2 runs=()
   shift 2
   for r in "$@"; do [ -s "$OUT/runs/$r/metrics.csv" ] && runs+=("$OUT/runs/$r"); done
-  [ ${#runs[@]} -gt 0 ] && python3 -m benchmarks.reproduce summarize --runs "${runs[@]}" \
+  [ ${#runs[@]} -gt 0 ] && python3 -m fedcluster.reproduce summarize --runs "${runs[@]}" \
     --last "$last" --out "$OUT/$out" 2>&1 | tail -n 12
 }
 summary cflgt-s2 20 s2-{cflgt,ifca,fedavg}-r"$ROUNDS_S2" | tee -a "$OUT/status.txt"

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks of issue 25 item 5, as run on an H200 (docs/benchmarks.md "GPU"):
+# The GPU checks, as run on an H200 (docs/benchmarks.md "GPU"):
 # the same small federation on cpu and cuda (MLP kernel and CNN autograd path, every
 # algorithm), then bench_ifca (fp32, bf16), bench_round and bench_cnn with --device cuda.
 # Run from the repository root with the data under .gpudata/ (mnist/ and cifar10/; a
@@ -17,11 +17,11 @@ for dev in cpu cuda; do
 done
 python3 benchmarks/gpu/compare.py /tmp/s
 echo "== bench_ifca fp32 at $((SECONDS-T0)) s"
-timeout 150 python3 benchmarks/bench_ifca.py --device cuda --rounds 2 --ref-clients 240 --data-dir .gpudata --out $OUT/ifca-gpu.json 2>&1 | tail -25
+timeout 150 python3 benchmarks/performance/bench_ifca.py --device cuda --rounds 2 --ref-clients 240 --data-dir .gpudata --out $OUT/ifca-gpu.json 2>&1 | tail -25
 echo "== bench_ifca bf16 at $((SECONDS-T0)) s"
-timeout 100 python3 benchmarks/bench_ifca.py --device cuda --rounds 2 --ref-clients 240 --precision bf16 --data-dir .gpudata --out $OUT/ifca-gpu-bf16.json 2>&1 | tail -12
+timeout 100 python3 benchmarks/performance/bench_ifca.py --device cuda --rounds 2 --ref-clients 240 --precision bf16 --data-dir .gpudata --out $OUT/ifca-gpu-bf16.json 2>&1 | tail -12
 echo "== bench_round at $((SECONDS-T0)) s"
-timeout 90 python3 benchmarks/bench_round.py --device cuda --rounds 3 --wait-quiet 0 --skip-flower --data-dir .gpudata --out $OUT/round-gpu.json 2>&1 | tail -25
+timeout 90 python3 benchmarks/performance/bench_round.py --device cuda --rounds 3 --wait-quiet 0 --skip-flower --data-dir .gpudata --out $OUT/round-gpu.json 2>&1 | tail -25
 echo "== bench_cnn at $((SECONDS-T0)) s"
-timeout 100 python3 -m benchmarks.bench_cnn --device cuda --rounds 2 --models jgl-cnn,lenet,resnet8,lenet-dropout --data-dir .gpudata --out $OUT/cnn-gpu.json 2>&1 | tail -14
+timeout 100 python3 -m benchmarks.performance.bench_cnn --device cuda --rounds 2 --models jgl-cnn,lenet,resnet8,lenet-dropout --data-dir .gpudata --out $OUT/cnn-gpu.json 2>&1 | tail -14
 echo "== done at $((SECONDS-T0)) s"

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Why IFCA's rotated CIFAR-10 ends in one cluster (issue 24, item 2; docs/reproduction.md
+# Why IFCA's rotated CIFAR-10 ends in one cluster (docs/reproduction.md
 # "IFCA's rotated CIFAR-10: why one cluster"), on one GPU. Jobs run side by side, each the
-# preset ifca-rotated-cifar10 (IFCA only) through benchmarks/ifca_cifar_diag.py, which logs
+# preset ifca-rotated-cifar10 (IFCA only) through benchmarks/reproduction/ifca_cifar_diag.py, which logs
 # every client's loss under both cluster models and its choice (choices.csv, groups.csv;
 # every training client probed every $PROBE rounds), under one deadline:
 #   fixed      the preset as it is now: the good initializer judges the initial models
@@ -66,7 +66,7 @@ job() {
   local name=$1 left=$((DEADLINE - SECONDS))
   shift
   [ "$left" -lt 10 ] && left=10   # timeout 0 would mean no limit
-  timeout -s INT -k 20 "$left" "${PIN[@]}" python3 -m benchmarks.ifca_cifar_diag \
+  timeout -s INT -k 20 "$left" "${PIN[@]}" python3 -m benchmarks.reproduction.ifca_cifar_diag \
     --rounds "$ROUNDS" --probe-every "$PROBE" --data-dir "$DATA" "${SETS[@]}" "$@" \
     --out "$R/$name" > "$R/logs/$name.log" 2>&1
   echo "$name: exit $? at $((SECONDS - T0)) s" >> "$R/status.txt"
@@ -86,7 +86,7 @@ wait
 for name in $JOBS; do
   [ -s "$R/$name/run/metrics.csv" ] || continue
   echo "== $name" | tee -a "$R/status.txt"
-  "${PIN[@]}" python3 -m benchmarks.reproduce summarize --runs "$R/$name/run" --last 20 \
+  "${PIN[@]}" python3 -m fedcluster.reproduce summarize --runs "$R/$name/run" --last 20 \
     --out "$R/$name" 2>&1 | tail -n 3 | tee -a "$R/status.txt"
   grep -h "^round" "$R/logs/$name.log" | tail -n 8 | tee -a "$R/status.txt"
 done

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Scoreboard cells of docs/reproduction.md (issue 24, item 1) on many CPU cores, one
+# Scoreboard cells of docs/reproduction.md on many CPU cores, one
 # single-thread process per core: every job is one algorithm x one seed of a cell of
-# benchmarks/reproduce.py (`CELLS`), run as
-#   OMP_NUM_THREADS=1 taskset -c <core> python -m benchmarks.reproduce <cell> --seeds 1 \
+# src/fedcluster/reproduce.py (`CELLS`), run as
+#   OMP_NUM_THREADS=1 taskset -c <core> python -m fedcluster.reproduce <cell> --seeds 1 \
 #     --first-seed <seed> --algorithms <label> --rounds <rounds> --out $OUT/runs/<job>
 # Each core runs a worker that takes the next job of the list below (a queue: the list is in
 # priority order, so the cells that matter most start first) until the deadline, BUDGET
@@ -13,7 +13,7 @@
 # and everything small (metrics.csv, clusters.csv, diagnostics/events, config.yaml, the
 # cells' JSON tables, logs, status.txt) goes into ONE file, $OUT/scoreboard.tgz.
 # The cells' score tables are in scoreboard.txt (and .json); from an unpacked tarball again:
-#   python -m benchmarks.reproduce scoreboard --folder DIR --out DIR [--upto ROUND]
+#   python -m fedcluster.reproduce scoreboard --folder DIR --out DIR [--upto ROUND]
 #
 # Run from the repository root (the integrator's machine: cores 0-4 are taken):
 #   DATA=/path/to/data OUT=/path/to/out bash benchmarks/gpu/scoreboard_cpu.sh
@@ -57,7 +57,7 @@ jobs() {
   echo "j4-jgl-s0 jgl-fig4-cnn 0 jgl-0.2 10"
   echo "j4-ifca-s0 jgl-fig4-cnn 0 ifca 10"
   # G12: FedGroup Table III, MNIST-MLP, 10 methods, seed 0, the paper's 300 rounds
-  # (3-4.5 min each over 300 rounds on one EPYC core, session 13; 0.9-1.5 s a round early on).
+  # (3-4.5 min each over 300 rounds on one EPYC core; 0.9-1.5 s a round early on).
   for a in fedgroup-edc fgp-edc fedprox fgp-madc fedgroup-madc ifca fg-rcc-edc fg-rac-edc \
     fesem fedavg; do
     echo "g12-$a-s0 fedgroup-mnist-mlp 0 $a 300"
@@ -124,7 +124,7 @@ worker() {
     fi
     echo "$name: core $core, start at $((SECONDS - T0)) s" >> "$OUT/logs/queue.log"
     # shellcheck disable=SC2086  # extra holds --set arguments split at spaces
-    timeout -s INT -k 5 "$left" taskset -c "$core" $PYTHON -m benchmarks.reproduce "$cell" \
+    timeout -s INT -k 5 "$left" taskset -c "$core" $PYTHON -m fedcluster.reproduce "$cell" \
       --seeds 1 --first-seed "$seed" --algorithms "$algs" --rounds "$rounds" \
       --data-dir "$DATA" --out "$OUT/runs/$name" $extra > "$OUT/logs/$name.log" 2>&1
     echo "$name: core $core, exit $? at $((SECONDS - T0)) s" >> "$OUT/logs/queue.log"
@@ -157,9 +157,9 @@ for line in (out / "jobs.txt").read_text().splitlines():
     print(f"{name:24s} {cell:28s} {state:18s} {got or '-'}")
 EOF
 
-# The cells' score tables (benchmarks/reproduce.py scoreboard), then one tarball of
+# The cells' score tables (src/fedcluster/reproduce.py scoreboard), then one tarball of
 # everything small (no checkpoints, no model artifacts).
-timeout 60 $PYTHON -m benchmarks.reproduce scoreboard --folder "$OUT" --out "$OUT" \
+timeout 60 $PYTHON -m fedcluster.reproduce scoreboard --folder "$OUT" --out "$OUT" \
   > "$OUT/scoreboard.txt" 2>&1
 echo "scoreboard tables: exit $? ($(grep -c '^| ' "$OUT/scoreboard.txt") lines)" | tee -a "$STATUS"
 tar -czf "$OUT/scoreboard.tgz" -C "$OUT" --exclude=checkpoints --exclude='*.pt' \

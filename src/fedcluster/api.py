@@ -1,5 +1,5 @@
-"""The Python API: ``fedcluster.run``, ``fedcluster.resume`` without a preset (issue 20 item 3)
-and ``fedcluster.assign``, a finished run's cluster model for a new device (issue 23 item 3).
+"""The Python API: ``fedcluster.run``, ``fedcluster.resume`` without a preset,
+and ``fedcluster.assign``, a finished run's cluster model for a new device.
 
 Modelled on scikit-learn's estimators (typed hyperparameter objects, results
 as arrays and tables) and pfl-research's callbacks::

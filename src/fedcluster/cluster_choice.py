@@ -1,5 +1,4 @@
-"""Test-time cluster choice: which cluster model of a finished run a device should use
-(issue 23 item 3).
+"""Test-time cluster choice: which cluster model of a finished run a device should use.
 
 A device that joins after training holds data but, often, no labels. IFCA
 (Ghosh et al. 2020, Alg. 1) places a client by the lowest loss of each cluster

@@ -7,8 +7,8 @@ uploads with it); the run-level ledger that decides who may still release is
 Two forms, both applied on the client, before anything leaves it (local DP:
 the server and everyone downstream is the adversary):
 
-- **client-level** -- DCFL's setting (Augello et al. 2023, Sec. I and III,
-  dcfl-dynamic-cfl-differential-privacy.md: "before transmitting the locally
+- **client-level** -- DCFL's setting (Augello et al. 2023, Sec. I and III:
+  "before transmitting the locally
   trained models, clients perform norm clipping ... and add Gaussian ...
   noise, so that privacy is preserved even if the server aggregating model
   updates is compromised"; ε = 10, δ = 1e−5). The client's update
@@ -50,7 +50,7 @@ upload, so the server never receives it. Hence
 the reported ε (the maximum over clients of ε spent so far) is monotone and
 never above the target.
 
-Randomness (DESIGN principle 4): client-level noise comes from
+Randomness: client-level noise comes from
 ``torch_rng(seed, "dp", round, client, k)``, DP-SGD noise from
 ``torch_rng(seed, "dp-sgd/<purpose>", round, client, k)``, with k the number
 of uploads the client has released so far: same seed, same noise, and no two

@@ -1,4 +1,4 @@
-"""Bounds and checks at the input boundary that the schema's field types cannot express (issue 21).
+"""Bounds and checks at the input boundary that the schema's field types cannot express.
 
 - Strict scalars: pydantic's lax mode reads ``rounds: true`` as 1 round and a
   drift label ``'7'`` as 7; :func:`check_scalar_types` refuses a boolean or a

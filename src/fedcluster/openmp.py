@@ -1,4 +1,4 @@
-"""OpenMP's wait policy for fedcluster's own entry points (issue 14 item 6, issue 20).
+"""OpenMP's wait policy for fedcluster's own entry points.
 
 Idle OpenMP threads that spin keep cores busy that other processes need;
 ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep instead. OpenMP reads the

@@ -1,4 +1,4 @@
-"""Plugins: algorithms, partitions and datasets defined outside fedcluster (issue 20 item 5).
+"""Plugins: algorithms, partitions and datasets defined outside fedcluster.
 
 Wherever the config names an algorithm (``algorithms: [{name: ...}]``,
 ``--algorithms``), a partition (``data.partition.name``) or a dataset

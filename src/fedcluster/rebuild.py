@@ -1,4 +1,4 @@
-"""What a run's ``config.yaml`` records about a model and data passed from Python (issue 20 item 4).
+"""What a run's ``config.yaml`` records about a model and data passed from Python.
 
 A run is resumable when its model and federation can be built again exactly.
 Built from the config (a preset model, a dataset and partition) they always

@@ -1,4 +1,4 @@
-"""Explicit, derived randomness (DESIGN principle 4).
+"""Explicit, derived randomness.
 
 Every random choice in fedcluster (partition, client sampling, initial models,
 mini-batch order, DP noise, ...) draws from a generator derived from

@@ -1,4 +1,4 @@
-"""Files of a run directory opened without following symlinks (issue 21).
+"""Files of a run directory opened without following symlinks.
 
 A run directory can be shared or copied from elsewhere; a symlink planted at
 ``.lock``, ``metrics.csv.tmp``, ``summary.json.tmp`` or ``<job>.pt.tmp`` made a

@@ -1,4 +1,4 @@
-"""YAML and JSON read with limits: size, nesting depth and expanded size (issue 21).
+"""YAML and JSON read with limits: size, nesting depth and expanded size.
 
 PyYAML's ``safe_load`` runs no code, but a 50,000-deep ``[[[...]]]`` exhausts
 the composer's recursion (``RecursionError``), and an anchor bomb -- ten

@@ -2,12 +2,12 @@
 
 The papers' dynamic settings:
 
-- DCFL (dcfl-dynamic-cfl-differential-privacy.md, Sec. III): "every ten
+- DCFL (Augello et al. 2023, Sec. III): "every ten
   communication rounds we introduce a new client"; "starting from the fifth
   communication round and every ten rounds after that a client is randomly
   selected and its data distribution is altered by changing the rotation
   angle" (``joins.every``/``count``, ``drift`` of kind ``rotate``);
-- FedGroup (fedgroup-decomposed-similarity.md, Sec. III-D): "the new devices
+- FedGroup (Duan et al., Sec. III-D): "the new devices
   can join the training at any time" and are placed by the client cold start
   (eq. 9);
 - the usual FL system model (McMahan et al. 2017; Bonawitz et al., "Towards
@@ -46,7 +46,7 @@ Definitions (round r, clients 0..n−1):
   standard deviations ("A little is enough", Baruch, Baruch, Goldberg,
   NeurIPS 2019), an update inside every norm bound.
 
-All randomness derives from (seed, purpose, round, ...) (DESIGN principle 4),
+All randomness derives from (seed, purpose, round, ...),
 so a run and its resumed continuation see the same scenario.
 """
 

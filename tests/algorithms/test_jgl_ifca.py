@@ -1,4 +1,4 @@
-"""JGL (jgl-joint-gradient-loss-cfl.md, Alg. 1, eqs. 1-7) and IFCA on clear groups."""
+"""JGL (Alg. 1, eqs. 1-7) and IFCA on clear groups."""
 
 from __future__ import annotations
 

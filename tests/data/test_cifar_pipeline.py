@@ -1,4 +1,4 @@
-"""CIFAR-10 as the papers train it (issue 24, item 2): input normalisation, seeded
+"""CIFAR-10 as the papers train it: input normalisation, seeded
 crop-and-flip augmentation in local training, and the per-round learning-rate decay."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Local dataset files against the downloader's SHA-256 pins (issue 13, point 6)."""
+"""Local dataset files against the downloader's SHA-256 pins."""
 
 from __future__ import annotations
 

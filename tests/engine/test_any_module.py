@@ -1,4 +1,4 @@
-"""Any ``nn.Module``, correctly (issue 20, item 1): modes, Dropout's seeded masks,
+"""Any ``nn.Module``, correctly: modes, Dropout's seeded masks,
 BatchNorm statistics that travel (or stay, FedBN), and a user loss everywhere.
 
 Every expected value is computed independently: a manual ``eval()`` pass of a
@@ -28,9 +28,19 @@ from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.models import build_model
 from fedcluster.runner import Experiment
-from tests.helpers import FLOAT_BYTES, INT_BYTES, assert_same_run, digits_config, rotated_digits
+from tests.helpers import (
+    FLOAT32_EPS,
+    FLOAT_BYTES,
+    INT_BYTES,
+    assert_same_run,
+    assert_same_training,
+    digits_config,
+    evaluation_bounds,
+    rotated_digits,
+)
 
 CFG = LocalTraining(lr=0.05, batch_size=16)
+STEPS = -(-48 // CFG.batch_size)  # one epoch of a client's 48 samples (the fixture's)
 
 
 def smoothed(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -70,8 +80,12 @@ def test_dropout_model_evaluates_deterministically_as_a_manual_eval_pass(fed):
     correct, loss_sum = _manual_eval(model, row, fed)
     np.testing.assert_array_equal(first.correct, again.correct)
     np.testing.assert_array_equal(first.loss_sum, again.loss_sum)
-    np.testing.assert_array_equal(first.correct, correct)
-    np.testing.assert_allclose(first.loss_sum, loss_sum, rtol=1e-5)
+    # the manual pass sums in other orders (a float32 mean per client, times its size)
+    loss_tol, undecided = evaluation_bounds(fed, model, row.unsqueeze(0))
+    sizes = np.diff(fed.test_offsets)
+    mean_rounding = 2 * sizes * FLOAT32_EPS * loss_sum
+    assert np.all(np.abs(first.correct - correct) <= undecided[:, 0])
+    assert np.all(np.abs(first.loss_sum - loss_sum) <= 2 * loss_tol[:, 0] + mean_rounding)
 
 
 def test_dropout_training_draws_the_clients_derived_masks(fed):
@@ -84,7 +98,7 @@ def test_dropout_training_draws_the_clients_derived_masks(fed):
     b = Simulator(copy.deepcopy(model), fed, seed=0, threads=2).train(clients, start, CFG, 1).rows
     ref = reference_train(model, fed, clients, start, CFG, seed=0, rnd=1)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-5)
+    assert_same_training(model, fed.input_shape, CFG, STEPS, a, ref)
     # the batches are seed 0's in both: only the masks differ between these two
     plain = Simulator(build_model("cnn", fed.input_shape, 10), fed, seed=0)
     no_dropout = plain.train(clients, start, CFG, 1).rows
@@ -150,7 +164,7 @@ def test_fedbn_keeps_each_clients_batchnorm_layers(fed):
     starts = shared.repeat(len(clients), 1)
     starts[:, local] = trained[:, local]
     ref = reference_train(model, fed, clients, starts, CFG, seed=0, rnd=2)
-    torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-5)
+    assert_same_training(model, fed.input_shape, CFG, STEPS, again, ref)
 
 
 def test_fedbn_from_the_config_gives_each_client_its_own_layers(tmp_path):
@@ -181,12 +195,14 @@ def test_a_user_loss_reaches_training_dp_sgd_and_the_cluster_choice(fed):
     # training: equal to the plain loop with the same loss, unlike cross-entropy
     rows = sim.train(clients, start, CFG, 1).rows
     ref = reference_train(model, fed, clients, start, CFG, 0, 1, loss_fn=smoothed)
-    torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)
+    assert_same_training(model, fed.input_shape, CFG, STEPS, rows, ref)
     assert (rows - ce.train(clients, start, CFG, 1).rows).abs().max() > 1e-4
 
     # DP-SGD with σ = 0, a huge clip and fixed batches is plain SGD with that loss
     dp = LocalTraining(lr=CFG.lr, batch_size=CFG.batch_size, dp=RecordDP(1e6, 0.0, False))
-    torch.testing.assert_close(sim.train(clients, start, dp, 1).rows, rows, rtol=1e-4, atol=1e-5)
+    assert_same_training(
+        model, fed.input_shape, dp, STEPS, sim.train(clients, start, dp, 1).rows, rows
+    )
 
     # IFCA's choice: the loss of each model on the client's decision batch
     models = torch.stack([start, rows[0]])

@@ -17,6 +17,7 @@ from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.model_eval import distinct_chunks
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from tests.helpers import FLOAT32_EPS, cross_entropy_error_bound, evaluation_bounds
 
 
 @pytest.fixture(scope="module")
@@ -59,42 +60,73 @@ def test_distinct_chunks_name_equal_test_sets_by_their_first_holder(shared_tests
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_deduplicated_evaluation_equals_per_client_evaluation_exactly(shared_tests, name):
+def test_deduplicated_evaluation_equals_per_client_evaluation(shared_tests, name):
     """All clients at once (each distinct test set computed once per model) gives the
-    same numbers, to the last bit, as asking each client alone."""
+    numbers of asking each client alone. The sample counts are equal by construction;
+    the logits come from products over batches of other sizes (25 samples or 75, one
+    model or three), whose kernels may sum in other orders, so the summed losses
+    agree within the float32 bound of both evaluations and the correct predictions
+    up to the samples whose argmax that bound leaves undecided."""
     model, rows = _models(name, 3)
     sim = Simulator(model, shared_tests, seed=0)
+    loss_tol, undecided = evaluation_bounds(shared_tests, model, rows)
     clients = np.arange(shared_tests.n_clients)
     which = np.array([0, 1, 2, 1, 1, 0, 2, 2, 0])
     together = sim.evaluate(clients, rows, which)
     for c in clients:
         alone = sim.evaluate(np.array([c]), rows, which[c : c + 1])
-        assert alone.correct[0] == together.correct[c]
-        assert alone.loss_sum[0] == together.loss_sum[c]
+        m = which[c]
+        assert abs(int(alone.correct[0]) - int(together.correct[c])) <= undecided[c, m]
+        assert abs(alone.loss_sum[0] - together.loss_sum[c]) <= 2 * loss_tol[c, m]
         assert alone.count[0] == together.count[c]
     hits, count, losses = sim.evaluate_models(clients, rows)
     for j in range(3):
         per_model = sim.evaluate(clients, rows, np.full(len(clients), j))
-        assert np.array_equal(hits[:, j], per_model.correct)
-        assert np.array_equal(losses[:, j], per_model.loss_sum)
+        assert np.all(np.abs(hits[:, j] - per_model.correct) <= undecided[:, j])
+        assert np.all(np.abs(losses[:, j] - per_model.loss_sum) <= 2 * loss_tol[:, j])
     assert np.array_equal(count, np.full(9, 25))
+
+
+def test_shared_test_sets_get_one_result(shared_tests):
+    """Clients that share a test set receive the very result computed for it once:
+    equal to the last bit (no second evaluation that could round otherwise)."""
+    model, rows = _models("mlp", 3)
+    sim = Simulator(model, shared_tests, seed=0)
+    clients = np.arange(shared_tests.n_clients)
+    which = np.zeros(len(clients), dtype=np.int64)
+    result = sim.evaluate(clients, rows, which)
+    hits, _, losses = sim.evaluate_models(clients, rows)
+    for c in range(3, 9):  # client c shares client c % 3's test set
+        assert result.loss_sum[c] == result.loss_sum[c % 3]
+        assert result.correct[c] == result.correct[c % 3]
+        assert np.array_equal(losses[c], losses[c % 3]) and np.array_equal(hits[c], hits[c % 3])
+
+
+def _undecided_choice(losses: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """Per client, whether the best model's loss lies within both evaluations' bounds
+    (2·tol) of another model's: a different argmin is then within rounding."""
+    order = np.argsort(losses, axis=1)
+    rows = np.arange(len(losses))
+    best, second = order[:, 0], order[:, 1]
+    gap = losses[rows, second] - losses[rows, best]
+    return gap <= 2 * (tol[rows, best] + tol[rows, second])
 
 
 @pytest.mark.parametrize("name", ["mlp", "mclr"])
 def test_k_model_losses_through_the_kernel_equal_each_models_own_loss(shared_tests, name):
-    """IFCA's full-data choice (every client's mean loss under each of K models, one
+    """IFCA's full-data choice (every client's summed loss under each of K models, one
     pass with the first layers' products in one) equals the loss of each model's own
-    forward pass to float rounding: a logit is a sum of f = 784 products, so the
-    relative error of float32 arithmetic is at most about eps·sqrt(f) in the
-    typical case; the test allows 4·eps·sqrt(f) on the loss."""
+    forward pass within the float32 bound of both evaluations, and picks the same
+    model wherever that bound decides the choice."""
     model, rows = _models(name, 4)
     sim = Simulator(model, shared_tests, seed=0)
     assert sim.kernel is not None
     layout = ParamLayout(model)
     clients = np.arange(shared_tests.n_clients)
     hits, count, losses = sim.evaluate_models(clients, rows, split="train")
-    tol = 4 * torch.finfo(torch.float32).eps * 784**0.5
+    loss_tol, undecided = evaluation_bounds(shared_tests, model, rows, split="train")
     expected = np.zeros((len(clients), 4))
+    own_hits = np.zeros((len(clients), 4), dtype=np.int64)
     for c in clients:
         sl = shared_tests.client_slice(int(c))
         x, y = shared_tests.x_train[sl], shared_tests.y_train[sl]
@@ -102,9 +134,12 @@ def test_k_model_losses_through_the_kernel_equal_each_models_own_loss(shared_tes
         for j in range(4):
             logits = layout.forward(rows[j], x)
             expected[c, j] = float(F.cross_entropy(logits, y, reduction="sum"))
-            assert hits[c, j] == int((logits.argmax(1) == y).sum())
-    np.testing.assert_allclose(losses, expected, rtol=tol, atol=0)
-    assert np.array_equal(losses.argmin(axis=1), expected.argmin(axis=1))
+            own_hits[c, j] = int((logits.argmax(1) == y).sum())
+    assert np.all(np.abs(losses - expected) <= 2 * loss_tol)
+    assert np.all(np.abs(hits - own_hits) <= undecided)
+    decided = ~_undecided_choice(expected, loss_tol)
+    assert decided.any()
+    assert np.array_equal(losses.argmin(axis=1)[decided], expected.argmin(axis=1)[decided])
 
 
 @pytest.mark.parametrize("name", ["mlp", "mclr"])
@@ -113,8 +148,8 @@ def test_one_batch_choice_through_the_kernel_equals_each_models_own_loss(shared_
     clients' batches go through the kernel together, batches of one size in one
     group (clients of fewer than 40 digits have a shorter first batch). Each
     client's loss under each model equals the mean cross-entropy of the model's
-    own forward pass on that client's first decision batch to float rounding
-    (4·eps·sqrt(784), as above), with the same choice."""
+    own forward pass on that client's first decision batch within the float32
+    bound of both evaluations, with the same choice wherever that bound decides it."""
     model, rows = _models(name, 4)
     sim = Simulator(model, shared_tests, seed=0)
     assert sim.kernel is not None
@@ -125,15 +160,21 @@ def test_one_batch_choice_through_the_kernel_equals_each_models_own_loss(shared_
     assert grads is None
     plans = sim.plans(clients, cfg, 3, "decide")
     assert len({len(p[0]) for p in plans}) > 1  # two batch sizes: two groups
-    expected = torch.empty(len(clients), 4)
+    expected = np.zeros((len(clients), 4))
+    tol = np.zeros((len(clients), 4))
     for c in clients:
         idx = plans[c][0]
         x, y = shared_tests.x_train[idx], shared_tests.y_train[idx]
         for j in range(4):
-            expected[c, j] = F.cross_entropy(layout.forward(rows[j], x), y)
-    tol = 4 * torch.finfo(torch.float32).eps * 784**0.5
-    torch.testing.assert_close(losses, expected, rtol=tol, atol=0)
-    assert torch.equal(losses.argmin(dim=1), expected.argmin(dim=1))
+            expected[c, j] = float(F.cross_entropy(layout.forward(rows[j], x), y))
+            # a float32 mean of n losses: the samples' bounds, and n roundings of the sum
+            per_sample, _ = cross_entropy_error_bound(layout, rows[j], x)
+            tol[c, j] = float(per_sample.mean()) + len(y) * FLOAT32_EPS * expected[c, j]
+    got = losses.double().numpy()
+    assert np.all(np.abs(got - expected) <= 2 * tol)
+    decided = ~_undecided_choice(expected, tol)
+    assert decided.any()
+    assert np.array_equal(got.argmin(axis=1)[decided], expected.argmin(axis=1)[decided])
 
 
 # ----------------------------------------------------------------- bf16 precision

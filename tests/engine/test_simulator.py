@@ -21,7 +21,7 @@ from fedcluster.engine.simulator import (
     balanced_group_size,
 )
 from fedcluster.models import build_model
-from tests.helpers import assert_same_training, unequal_clients
+from tests.helpers import assert_same_training, evaluation_bounds, unequal_clients
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +177,14 @@ def test_evaluate_counts_each_clients_own_test_samples(mnist_federation):
     which = clients % 2
     res = sim.evaluate(clients, rows, which)
     layout = ParamLayout(model)
+    # the kernel's products sum in other orders than the plain forward pass: a sample
+    # may count differently only where the float32 bound leaves its argmax undecided
+    _, undecided = evaluation_bounds(mnist_federation, model, rows)
     for c in clients:
         sl = mnist_federation.client_slice(c, "test")
         logits = layout.forward(rows[which[c]], mnist_federation.x_test[sl])
-        assert res.correct[c] == int((logits.argmax(1) == mnist_federation.y_test[sl]).sum())
+        own = int((logits.argmax(1) == mnist_federation.y_test[sl]).sum())
+        assert abs(int(res.correct[c]) - own) <= undecided[c, which[c]]
         assert res.count[c] == sl.stop - sl.start
 
 

@@ -1,4 +1,4 @@
-"""Worker threads under load (issue 14, item 6): sized to the free CPUs, results unchanged."""
+"""Worker threads under load: sized to the free CPUs, results unchanged."""
 
 from __future__ import annotations
 

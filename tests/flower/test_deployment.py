@@ -190,7 +190,7 @@ KILLED = 1  # the node SIGKILLed after round 1, restarted after round 2
 def test_a_lost_node_returns_and_a_corrupt_file_is_named(tmp_path):
     """The quickstart's DCFL, 4 rounds, on 3 nodes of 8 clients over TLS, with the
     default deployment settings but a 10 s timeout floor (the defaults' 30 s is
-    measured by benchmarks/flower_lost_node.py). Client 20's file on node 2 is
+    measured by benchmarks/deployment/flower_lost_node.py). Client 20's file on node 2 is
     corrupt (the node serves its other clients; the server's log names client 20
     and the node's error), node 1 (clients 8..15) is SIGKILLed after round 1 and
     started again (a new node id) after round 2. The run completes; node 1's

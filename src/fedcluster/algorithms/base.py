@@ -2,7 +2,7 @@
 
 Modelled on FedJAX's ``FederatedAlgorithm`` (``init`` + ``apply`` over a small
 server state) and pfl-research's split between what the server asks of
-clients and what they compute (DESIGN principle 1):
+clients and what they compute:
 
 - an algorithm is *server logic*: who gets which model, clustering,
   aggregation -- the methods of :class:`Algorithm`;

@@ -1,4 +1,4 @@
-"""CFLGT: clustered FL with gradient trajectory (cflgt-gradient-trajectory.md, Alg. 1).
+"""CFLGT: clustered FL with gradient trajectory (the CFLGT paper, Alg. 1).
 
 Schedule (Alg. 1), one runner round per step:
 

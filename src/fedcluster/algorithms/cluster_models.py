@@ -1,8 +1,8 @@
 """Shared machinery of methods that keep K cluster models and let clients choose.
 
 Used by IFCA (Ghosh et al., "An efficient framework for clustered federated
-learning", NeurIPS 2020, Alg. 1) and JGL (jgl-joint-gradient-loss-cfl.md,
-Alg. 1): the server holds K models [K, d] and each model's last update
+learning", NeurIPS 2020, Alg. 1) and JGL (joint gradient and loss based
+clustered FL, Alg. 1): the server holds K models [K, d] and each model's last update
 Δw_k = w_k^t − w_k^{t−1} (JGL eq. 2); selected clients choose a cluster, train
 its model and upload (model, cluster id); the server averages per cluster
 (JGL eq. 7, IFCA's model averaging).

@@ -1,6 +1,5 @@
 """DCFL: Augello, Falzone, Lo Re, "DCFL: dynamic clustered federated learning
-under differential privacy settings", PerCom Workshops 2023
-(dcfl-dynamic-cfl-differential-privacy.md), Alg. 1.
+under differential privacy settings", PerCom Workshops 2023, Alg. 1.
 
 - Every selected client trains from its cluster's model and uploads its
   update vector δ_i, origin = the model received (A), end = the model after

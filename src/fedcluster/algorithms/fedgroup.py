@@ -1,6 +1,5 @@
 """FedGroup and FedGrouProx: Duan, Liu, Ji, Liu, Liang, Chen, Tan, "FedGroup:
-accurate federated learning via decomposed similarity-based clustering"
-(fedgroup-decomposed-similarity.md), Alg. 2 and Alg. 3.
+accurate federated learning via decomposed similarity-based clustering", Alg. 2 and Alg. 3.
 
 - Group cold start (Alg. 3), in round 1: α·m random clients (α =
   ``pretrain_scale``, m = ``n_groups``) receive w0, train from it and upload

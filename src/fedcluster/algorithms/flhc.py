@@ -18,7 +18,7 @@ in the paper; each cluster's mean update ΔW is kept (``state.mean_updates``)
 to place newcomers (see :mod:`fedcluster.algorithms.cflgt`: a newcomer trains
 from the global model and joins the cluster with the nearest mean update).
 The default 25 pre-training rounds and 5 clusters follow CFLGT's
-comparison (cflgt-gradient-trajectory.md Sec. V-A: 25 pre-training rounds;
+comparison (the CFLGT paper, Sec. V-A: 25 pre-training rounds;
 scenario 1 has 5 groups; Table II runs FL+HC with 10, 20 and 30 clusters).
 The schedule is shared with CFLGT (:class:`~fedcluster.algorithms.cflgt.OneShotClustering`).
 """

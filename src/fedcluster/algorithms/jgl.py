@@ -1,4 +1,4 @@
-"""JGL: joint gradient and loss based clustered FL (jgl-joint-gradient-loss-cfl.md).
+"""JGL: joint gradient and loss based clustered FL (the JGL paper).
 
 Alg. 1 of the paper. Each round the server broadcasts the K cluster models and
 their last updates Δw_k = w_k^t − w_k^{t−1} (eq. 2). Each device, on one

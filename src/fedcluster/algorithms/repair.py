@@ -1,6 +1,6 @@
 """Cluster repair for methods whose clients choose among K models (beyond the papers; opt-in).
 
-IFCA (Ghosh et al., NeurIPS 2020) and JGL (jgl-joint-gradient-loss-cfl.md)
+IFCA (Ghosh et al., NeurIPS 2020) and JGL (joint gradient and loss based clustered FL)
 let every client pick the cluster model with the lowest loss (JGL: plus a
 gradient-similarity term); FeSEM (Xie et al. 2020) puts each client's model
 into the cluster of the nearest centre. When two true groups pick the same model in the

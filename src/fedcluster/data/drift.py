@@ -1,6 +1,6 @@
 """Client data drift, applied to a packed federation in place.
 
-DCFL (dcfl-dynamic-cfl-differential-privacy.md, Sec. III): "starting from the
+DCFL (Augello et al. 2023, Sec. III): "starting from the
 fifth communication round and every ten rounds after that a client is
 randomly selected and its data distribution is altered by changing the
 rotation angle". Three kinds of change, each keeping the client's sample

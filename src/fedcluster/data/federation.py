@@ -1,4 +1,4 @@
-"""Packed federation data (DESIGN principle 3: client data is packed).
+"""Packed federation data (client data is packed).
 
 All clients' samples of a split live in one tensor, client ``i`` owning rows
 ``offsets[i]:offsets[i+1]``; a mini-batch is a gather by index. Per-client

@@ -1,7 +1,7 @@
 """Local dataset files checked against the SHA-256 pins of the downloader.
 
 The downloader (:mod:`fedcluster.data.download`) accepts a file only when its
-SHA-256 is pinned; files already on disk were trusted until now (issue 13: a
+SHA-256 is pinned; files already on disk are checked too (a
 local MNIST label file with every label set to 0, valid gzip and header,
 trained and reported accuracy 1.0). Two checks use the same pins:
 

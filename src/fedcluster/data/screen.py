@@ -1,4 +1,4 @@
-"""Clients' data checked once at load: finite, in range, and enough of it (issue 21).
+"""Clients' data checked once at load: finite, in range, and enough of it.
 
 One NaN pixel in one client's file, pixels of 1e30 (finite, but the first
 layer's sums overflow), labels outside the classes, or a client with no

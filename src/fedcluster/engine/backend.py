@@ -1,4 +1,4 @@
-"""What runs client computations, whatever they are (DESIGN principle 1).
+"""What runs client computations, whatever they are.
 
 :class:`Backend` is what the channel (:class:`~fedcluster.algorithms.channel.Channel`)
 sends requests through: the batched :class:`~fedcluster.engine.simulator.Simulator`
@@ -41,7 +41,7 @@ class FederationView(Protocol):
 
 
 class Backend(Protocol):
-    """Runs any registered client computation for many clients (DESIGN principle 1).
+    """Runs any registered client computation for many clients.
 
     The simulator runs a computation's batched form over the packed
     federation; the Flower backend sends one message per node, for the

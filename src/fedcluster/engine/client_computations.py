@@ -12,7 +12,7 @@ CFLGT's trajectory in :mod:`fedcluster.algorithms.cflgt`).
 
 Settings (``Request.settings``): ``train`` (a
 :class:`~fedcluster.engine.batches.LocalTraining`), ``round`` and
-``purpose`` (they seed the client's random streams, DESIGN principle 4).
+``purpose`` (they seed the client's random streams).
 """
 
 from __future__ import annotations

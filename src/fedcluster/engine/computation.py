@@ -1,4 +1,4 @@
-"""Client computations as units: declared once, run by any backend (DESIGN principle 1).
+"""Client computations as units: declared once, run by any backend.
 
 A :class:`ClientComputation` is everything a backend needs to run one thing a
 client computes, whoever runs it:
@@ -227,7 +227,7 @@ class ClientRunner(Protocol):
 
 @dataclass(frozen=True)
 class ClientContext:
-    """What a client computation's ``run_one_client`` sees of its client (issue 20 item 6).
+    """What a client computation's ``run_one_client`` sees of its client.
 
     The same on every backend (the simulator, a Flower node), so a computation
     written against it runs on both unchanged:

@@ -1,4 +1,4 @@
-"""Flat parameter rows (DESIGN principle 2: parameters are rows of a matrix).
+"""Flat parameter rows (parameters are rows of a matrix).
 
 A model is one flat float32 vector of length ``d``; K cluster models are a
 ``[K, d]`` tensor and n client updates an ``[n, d]`` tensor, so averaging,
@@ -170,7 +170,7 @@ def group_averages(
 
     The rows are read once, in order, however scattered the groups are (IFCA's
     trained rows are in client order, its clusters spread over them), like the
-    IFCA-style loop reads each model once (``benchmarks/bench_ifca.py``). The
+    IFCA-style loop reads each model once (``benchmarks/performance/bench_ifca.py``). The
     columns are split between worker threads (:func:`~fedcluster.engine.threads.
     run_on_threads`); a worker scales a chunk of consecutive rows by one product
     into a cached block (:data:`SCALE_BYTES`) and adds each scaled row to its

@@ -5,7 +5,7 @@ for the round benchmark's 80 clients × 468,874 parameters, 1.5 GB for IFCA's
 2,400 clients). The allocator maps such blocks fresh from the kernel, so the
 first write of every 4 KiB page is a page fault: 37,000 per round for the
 benchmark's block. Under KVM a fault costs about 2 µs (on the Zen 4 machine of
-docs/benchmarks.md, "Roofline on AVX-512 (issue 25 item 4)": allocating and
+docs/benchmarks.md, "Roofline on AVX-512": allocating and
 filling the block took 103 ms on one core, filling it again 21 ms), a quarter of
 a core's round. ``madvise(MADV_HUGEPAGE)`` before the first write makes the
 kernel back the block with 2 MiB pages where transparent huge pages are enabled

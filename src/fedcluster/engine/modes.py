@@ -10,7 +10,7 @@ client's local training.
 
 Randomness inside a training step (Dropout's masks, any ``torch.rand``-like
 call of a user's ``forward``) draws from a generator derived from
-``(seed, "dropout/<purpose>", round, client)`` (DESIGN principle 4) through
+``(seed, "dropout/<purpose>", round, client)`` through
 :class:`SeededRandomness`, a ``TorchFunctionMode`` that is thread-local: every
 worker thread of the simulator and every Flower node draws the same masks for
 the same client, whatever the order in which clients run. Inside

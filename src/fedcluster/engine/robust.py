@@ -24,7 +24,7 @@ is the model the clients trained from ([d], or [n, d] per client), ``rows``
   update norms, by default the median. A quantile q can be moved by a share q
   of clients sending small updates and by a share 1 − q sending large ones:
   the median holds against up to half on either side. The lower quartile
-  (the default before issue 21) survives a majority of huge updates but not a
+  (an earlier default) survives a majority of huge updates but not a
   quarter of colluders sending short ones (ALIE, Baruch et al. 2019: every
   honest update is then clipped to the attackers' norm; measured in
   docs/reliability.md, e.g. IFCA 62.3% with the quartile, 82.0% with the

@@ -1,7 +1,7 @@
 """The simulation backend: client computations for many clients at once.
 
-An algorithm is server logic plus a few named client computations (DESIGN
-principle 1). This module runs those computations for a set of clients over
+An algorithm is server logic plus a few named client computations, which any
+backend runs. This module runs those computations for a set of clients over
 the packed federation data:
 
 - ``train``: local SGD from given parameter rows (FedAvg Alg. 1 ClientUpdate,
@@ -335,7 +335,7 @@ class Simulator(ClientClock):
         swaps a module's parameters, so two threads must not share one) and one
         intra-op thread: batching convolutions across clients does not pay on
         a CPU, splitting a client's small convolutions across cores pays less
-        than one client per core (issue 14, item 5). Each client's arithmetic
+        than one client per core. Each client's arithmetic
         is single-threaded whichever worker runs it, so results do not depend
         on how many workers the load allows.
         """
@@ -960,13 +960,10 @@ train a round fastest; larger ones are no faster."""
 
 
 FULL_BATCH_BF16_GROUP = 32
-"""The default's largest group on the full-batch route with bf16 products. IFCA's
-2,400 clients (MLP 784-200-10, n = 100) on 2 workers trained in 0.63-0.68× main's
-time with groups of 16-32, 0.90-0.97× with groups of 8 (the same code otherwise;
-groups of 16, 32 and 64 alike; docs/benchmarks.md "bf16 round (session 12)"): a
+"""The default's largest group on the full-batch route with bf16 products: a
 step's ~45 small operators, each a few µs of Python and dispatch under the GIL,
 are shared by more clients. fp32 keeps :data:`MAX_GROUP` (its numbers must not
-move)."""
+move). Measured in docs/benchmarks.md, "bf16 products"."""
 
 
 def balanced_group_size(n_clients: int, workers: int, largest: int = MAX_GROUP) -> int:

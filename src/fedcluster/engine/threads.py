@@ -1,6 +1,6 @@
 """Worker threads sized to the CPUs a run may use and that other processes leave free.
 
-Issue 14 item 6 ("graceful under load"). The simulator runs client groups on
+Graceful under load: the simulator runs client groups on
 worker threads, each with one intra-op thread (:func:`fedcluster.engine.
 threads.run_on_threads`). A worker that shares its core with another
 CPU-bound process still makes progress, but the round ends only when the last

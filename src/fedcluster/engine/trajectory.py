@@ -1,4 +1,4 @@
-"""CFLGT's client computation: the gradient trajectory (cflgt-gradient-trajectory.md, Sec. III).
+"""CFLGT's client computation: the gradient trajectory (CFLGT paper, Sec. III).
 
 The model is split into a feature extractor (everything before the last
 linear layer, :meth:`~fedcluster.engine.flat.ParamLayout.classifier_range`)

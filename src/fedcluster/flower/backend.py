@@ -8,7 +8,7 @@ that node that was asked (:func:`fedcluster.flower.protocol.encode_clients`);
 the node (:mod:`fedcluster.flower.client`) runs the same computation for each
 of them on its own data, one client at a time. The replies are checked
 against the computation's declared reply and stacked. The algorithms run
-unchanged on it (DESIGN principle 1): what a client computes and uploads is
+unchanged on it: what a client computes and uploads is
 the same, and the server never sees client data. It names no computation: a
 new one needs no edit here.
 

@@ -1,4 +1,4 @@
-"""The ClientApp: one client's computations on a Flower SuperNode (DESIGN principle 1).
+"""The ClientApp: one client's computations on a Flower SuperNode.
 
 A node holds the clients found in its node-local data path (node config
 ``data``: a folder of several clients' files or one client's file,

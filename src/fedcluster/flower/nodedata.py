@@ -1,4 +1,4 @@
-"""Node-local data: each client's samples as a file a device holds (DESIGN principle 1).
+"""Node-local data: each client's samples as a file a device holds.
 
 In a deployment a device holds its own data and nothing else. ``fedcluster
 flower export`` (:mod:`fedcluster.flower.export`) writes every client's train

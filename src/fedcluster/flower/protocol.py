@@ -19,7 +19,7 @@ counts, groups and data shape.
 
 Every request's config names the experiment (its YAML text and seed), so a
 node can build its data and model from it (and cache them), plus the round
-and the purpose that seed the client's random streams (DESIGN principle 4):
+and the purpose that seed the client's random streams:
 a node computes exactly what the simulator computes for that client.
 
 Under local differential privacy the noise is drawn on the node: a

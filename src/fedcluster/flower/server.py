@@ -1,4 +1,4 @@
-"""The ServerApp: fedcluster's runner driving Flower nodes (DESIGN principle 1).
+"""The ServerApp: fedcluster's runner driving Flower nodes.
 
 :func:`flower_experiment` is the runner's :class:`~fedcluster.runner.Experiment`
 with one change, given as its backend factory (:class:`FlowerBackends`): its

@@ -1,0 +1,2 @@
+"""Speed: rounds of the simulator against plain loops and Flower, scale, load
+(docs/benchmarks.md)."""

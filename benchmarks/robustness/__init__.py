@@ -1,0 +1,1 @@
+"""Faulty clients, attacks and bad input against fedcluster (docs/reliability.md)."""
