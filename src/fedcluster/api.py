@@ -33,6 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from pydantic import BaseModel
 from torch import nn
@@ -68,23 +69,27 @@ class RunResult:
 
     ``metrics`` holds ``metrics.csv`` as one dict per row (round × algorithm ×
     seed, numbers as floats; :meth:`to_pandas` gives a DataFrame), ``summary``
-    ``summary.json`` (one entry per job), ``report`` the HTML report's path (None
-    with ``report=False``).
+    the jobs of ``summary.json`` (one dict per (algorithm, seed) job),
+    ``clients`` ``clients.csv`` as a pandas DataFrame (one row per client at
+    each evaluation round: accuracy, loss, samples, group, cluster), ``report``
+    the HTML report's path (None with ``report=False``).
     """
 
     path: Path
     metrics: list[dict[str, Any]]
     summary: list[dict[str, Any]]
+    clients: pd.DataFrame
     report: Path | None
 
     @classmethod
     def load(cls, path: str | Path, report: Path | None = None) -> RunResult:
-        """Read a run directory's ``metrics.csv`` and ``summary.json``."""
+        """Read a run directory's ``metrics.csv``, ``summary.json`` and ``clients.csv``."""
         path = Path(path)
         with open(path / "metrics.csv", newline="") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-        summary = json.loads((path / "summary.json").read_text())
-        return cls(path, metrics, summary, report)
+        summary = json.loads((path / "summary.json").read_text())["jobs"]
+        clients = pd.read_csv(path / "clients.csv", dtype=CLIENT_DTYPES)
+        return cls(path, metrics, summary, clients, report)
 
     def column(self, name: str, algorithm: str, seed: int | None = None) -> list[Any]:
         """Column ``name`` of ``algorithm``'s rows (one seed, or every seed), in round order."""
@@ -104,13 +109,15 @@ class RunResult:
             out.setdefault(algorithm, []).append(float(row["accuracy"]))
         return {a: sum(v) / len(v) for a, v in out.items()}
 
-    def to_pandas(self) -> Any:
-        """``metrics`` as a pandas DataFrame (pandas is not a dependency: install it)."""
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ConfigError("RunResult.to_pandas needs pandas: pip install pandas") from None
+    def to_pandas(self) -> pd.DataFrame:
+        """``metrics`` as a pandas DataFrame."""
         return pd.DataFrame(self.metrics)
+
+
+CLIENT_DTYPES = {"algorithm": str, "group": "Int64", "cluster": "Int64"}
+"""``clients.csv``'s columns that pandas would not type by itself: labels that look like
+numbers stay text, and an empty group or cluster (no ground truth, an unclustered
+method) is missing (``<NA>``) in an integer column."""
 
 
 def _number(text: str) -> Any:
