@@ -46,6 +46,7 @@ from fedcluster.data.federation import Federation
 from fedcluster.engine.modes import LossFn
 from fedcluster.errors import ConfigError
 from fedcluster.plugins import import_object
+from fedcluster.rundir import fresh_run_path
 from fedcluster.runner import Experiment
 from fedcluster.runner import resume as _resume
 
@@ -250,6 +251,7 @@ def run(
     report: bool = True,
     progress: bool = False,
     loss: LossFn | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Run ``algorithms`` on ``federation`` with ``model``; write the run directory ``out``.
 
@@ -264,7 +266,8 @@ def run(
             config's dataset and partition.
         algorithms: see :data:`AlgorithmLike`; e.g. ``[IFCA(n_clusters=3), "fedavg"]``.
         rounds, seeds: communication rounds; one run per seed.
-        out: the run directory (default ``runs/<name>-<timestamp>``); must be new or empty.
+        out: the run directory (default ``runs/<name>-<timestamp>``); where it exists
+            already, the first free ``out-2``, ``out-3``, ... (``RunResult.path`` says which).
         train: local training, a :class:`TrainConfig` (``Train``) or a mapping of its fields.
         config: any other config fields (:class:`ExperimentConfig` or a mapping, e.g.
             ``{"participation": {"fraction": 0.5}}``); the arguments above override it.
@@ -272,6 +275,7 @@ def run(
             ``on_round_end`` to stop a job).
         report: write ``report.html`` and ``report.md`` as the CLI does.
         progress: progress bars.
+        overwrite: replace the run directory ``out`` if it exists (only a run directory).
         loss: a loss function ``(logits, targets) -> mean loss`` instead of
             cross-entropy (recorded by import path where it has one; or name it in
             ``train={"loss": "package.module:function"}``).
@@ -297,7 +301,7 @@ def run(
     experiment = Experiment(
         cfg, model=model_obj, federation=fed_obj, callbacks=callbacks, loss=loss
     )
-    path = Path(out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
+    path = fresh_run_path(out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}", overwrite)
     experiment.run(path, progress=progress)  # claims the directory: new or empty (rundir.claim)
     return RunResult.load(path, _write_report(path) if report else None)
 

@@ -430,8 +430,11 @@ class ExperimentConfig(_Strict):
     )
     eval_every: int = Field(1, ge=1, le=MAX_ROUNDS)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
-    device: Literal["cpu", "cuda", "auto"] = Field(
-        "cpu", description="where the simulator computes (auto: cuda when a GPU is visible)"
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda|cuda:\d+|mps|auto)$",
+        description="where the simulator computes: cpu, cuda, cuda:N (the N-th GPU), mps "
+        "(Apple GPU) or auto (cuda when a GPU is visible)",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from fedcluster import safefiles
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
@@ -64,6 +64,49 @@ class JobResult:
 PREPARED = (".lock", "deployment")
 """What a new run's directory may hold already: its lock, and the ``deployment/`` folder
 ``fedcluster flower local`` writes before its ServerApp starts the run."""
+
+
+def _free(path: Path) -> bool:
+    """Whether a new run may claim ``path``: absent, or a directory holding only
+    :data:`PREPARED` entries."""
+    if not os.path.lexists(path):
+        return True
+    return path.is_dir() and all(p.name in PREPARED for p in path.iterdir())
+
+
+def fresh_run_path(out: str | Path, overwrite: bool = False) -> Path:
+    """Where a new run asked to write ``out`` writes.
+
+    ``out`` itself when it is free (absent or empty); with ``overwrite`` an existing
+    run directory there is emptied first (while holding its lock: never one that a
+    run or resume is writing), and anything that is not a run directory refused;
+    otherwise the first free ``out-2``, ``out-3``, ... (re-running a notebook cell
+    keeps the earlier run).
+    """
+    path = Path(out)
+    if _free(path):
+        return path
+    if not path.is_dir():
+        raise FedclusterError(f"--out {path} is an existing file or under one, not a directory")
+    if overwrite:
+        if not (path / "config.yaml").is_file():
+            raise FedclusterError(
+                f"--overwrite: {path} is not a run directory (no config.yaml); "
+                "it replaces run directories only"
+            )
+        with RunDirectory(path).lock():
+            for entry in path.iterdir():
+                if entry.name in PREPARED:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        return path
+    n = 2
+    while not _free(path.with_name(f"{path.name}-{n}")):
+        n += 1
+    return path.with_name(f"{path.name}-{n}")
 
 
 class RunDirectory:
@@ -642,7 +685,8 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class ProgressBar(Callback):
-    """A tqdm bar per job, with the last accuracy."""
+    """A progress bar per job, with the last accuracy (``tqdm.auto``: a widget in Jupyter,
+    text in a terminal)."""
 
     def __init__(self, last: int) -> None:
         self.last = last
