@@ -13,6 +13,8 @@ from torch import nn
 import fedcluster
 from fedcluster.client_results import CLIENT_COLUMNS
 from fedcluster.engine.flat import ParamLayout
+from fedcluster.reporting.document import build_sections
+from fedcluster.reporting.rundata import load_run
 from tests.helpers import rotated_digits
 
 SETTINGS = {"rounds": 4, "train": {"lr": 0.1, "batch_size": 16}}
@@ -88,6 +90,9 @@ def test_clients_csv_rows_equal_a_per_client_evaluation_by_hand(tmp_path):
         for record, row in zip(records, mine.itertuples(), strict=True):
             assert (record["client"], record["samples"]) == (row.client, row.samples)
             assert record["accuracy"] == row.accuracy
+    # the report shows them
+    sections = {s.key for s in build_sections([load_run(result.path)])}
+    assert {"groups", "worst-clients", "cluster-size"} <= sections
     # the per-client rows pool to metrics.csv's accuracy
     for m in result.metrics:
         mine = clients[(clients.algorithm == m["algorithm"]) & (clients["round"] == m["round"])]

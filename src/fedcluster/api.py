@@ -40,6 +40,7 @@ from torch import nn
 
 from fedcluster.algorithms import ALGORITHMS, Algorithm, AlgorithmParams
 from fedcluster.callbacks import Callback
+from fedcluster.client_results import read_clients
 from fedcluster.cluster_choice import Assignment, DeviceData, FinishedRun
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, deep_merge, validate_config
 from fedcluster.data.federation import Federation
@@ -89,8 +90,7 @@ class RunResult:
         with open(path / "metrics.csv", newline="") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
         summary = json.loads((path / "summary.json").read_text())["jobs"]
-        clients = pd.read_csv(path / "clients.csv", dtype=CLIENT_DTYPES)
-        return cls(path, metrics, summary, clients, report)
+        return cls(path, metrics, summary, read_clients(path), report)
 
     def column(self, name: str, algorithm: str, seed: int | None = None) -> list[Any]:
         """Column ``name`` of ``algorithm``'s rows (one seed, or every seed), in round order."""
@@ -113,12 +113,6 @@ class RunResult:
     def to_pandas(self) -> pd.DataFrame:
         """``metrics`` as a pandas DataFrame."""
         return pd.DataFrame(self.metrics)
-
-
-CLIENT_DTYPES = {"algorithm": str, "group": "Int64", "cluster": "Int64"}
-"""``clients.csv``'s columns that pandas would not type by itself: labels that look like
-numbers stay text, and an empty group or cluster (no ground truth, an unclustered
-method) is missing (``<NA>``) in an integer column."""
 
 
 def _number(text: str) -> Any:

@@ -14,9 +14,11 @@ and its cluster.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from fedcluster.engine.results import EvalResult
 
@@ -76,3 +78,20 @@ def client_line(record: dict[str, Any]) -> list[str]:
         else:
             out.append(repr(value) if isinstance(value, float) else str(value))
     return out
+
+
+CLIENT_DTYPES = {"algorithm": str, "group": "Int64", "cluster": "Int64"}
+"""Columns pandas would not type by itself: labels that look like numbers stay text, and
+an empty group or cluster (no ground truth, an unclustered method) is missing (``<NA>``)
+in an integer column."""
+
+
+def read_clients(path: str | Path) -> pd.DataFrame:
+    """A run directory's ``clients.csv`` as a DataFrame (no rows where the file is absent:
+    a run made before per-client results were recorded)."""
+    file = Path(path) / "clients.csv"
+    if not file.is_file():
+        return pd.DataFrame(
+            {c: pd.Series(dtype=CLIENT_DTYPES.get(c, float)) for c in CLIENT_COLUMNS}
+        )
+    return pd.read_csv(file, dtype=CLIENT_DTYPES)
