@@ -54,8 +54,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the run directory --out if it exists (default: write to the first "
-        "free --out-2, --out-3, ...)",
+        help="replace the run directory --out if it exists (default: keep it and write "
+        "to the first free OUT-2, OUT-3, ...)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _report_flags(p)
