@@ -50,6 +50,29 @@ def factory_run(tmp_path_factory):
     return result, federation
 
 
+def small_federation():
+    """A federation factory defined in a module: recorded by its import path."""
+    return rotated_digits(n_groups=2, clients_per_group=2, per_client=30)
+
+
+def test_a_factorys_data_is_recorded_by_path_and_hash_not_the_defaults(tmp_path):
+    result = fedcluster.run(
+        federation=small_federation, algorithms=["fedavg"], out=tmp_path / "run", **SETTINGS
+    )
+    stored = yaml.safe_load((result.path / "config.yaml").read_text())
+    assert stored["data"]["federation"] == "tests.test_records:small_federation"
+    assert "dataset" not in stored["data"] and "partition" not in stored["data"]
+    (data,) = stored["record"]["data"]
+    assert data["source"] == "data.federation tests.test_records:small_federation"
+    assert data["sha256"] == federation_sha256(small_federation())
+    resumed = fedcluster.resume(result.path, report=False)  # the file still resumes
+
+    def untimed(summary: list[dict]) -> list[dict]:
+        return [{k: v for k, v in job.items() if k != "wall_seconds"} for job in summary]
+
+    assert untimed(resumed.summary) == untimed(result.summary)
+
+
 def test_summary_is_the_list_of_job_dicts_its_help_promises(factory_run):
     result, _ = factory_run
     assert isinstance(result.summary, list)

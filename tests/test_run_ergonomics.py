@@ -95,3 +95,11 @@ def test_mps_where_it_is_missing_is_a_one_line_error(monkeypatch):
         resolve_device("mps")
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     assert resolve_device("mps") == torch.device("mps")
+
+
+def test_progress_bars_are_tqdm_auto_widgets_in_notebooks():
+    import tqdm.auto
+
+    from fedcluster import rundir
+
+    assert rundir.tqdm is tqdm.auto.tqdm
