@@ -339,7 +339,10 @@ def _resume(args: argparse.Namespace) -> int:
 def _print_summary(out: Path) -> None:
     print()
     print((out / "summary.md").read_text(), end="")
-    print(f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}")
+    print(
+        f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}   "
+        f"clients: {out / 'clients.csv'}"
+    )
 
 
 def _assign(args: argparse.Namespace) -> int:
