@@ -136,3 +136,25 @@ def test_a_resumed_run_has_the_uninterrupted_clients_csv_without_duplicates(tmp_
     # a normal resume restores nothing, so it says nothing of restored rows
     assert "restored" not in caplog.text
     assert "rebuilt" not in caplog.text
+
+
+def test_a_run_directory_without_clients_csv_resumes_and_gains_the_later_rows(tmp_path):
+    """A run started before clients.csv existed (here: the file deleted) resumes; the
+    rounds after its checkpoint are recorded, the earlier ones cannot be."""
+    federation = rotated_digits(n_groups=2, clients_per_group=2, per_client=40)
+    model = small_model()
+    out = tmp_path / "old"
+    with pytest.raises(Killed):
+        fedcluster.run(
+            model=model,
+            federation=federation,
+            out=out,
+            callbacks=[KillAfter(3)],
+            config={"checkpoint_every": 2},
+            report=False,
+            **SETTINGS,
+        )
+    (out / "clients.csv").unlink()
+    resumed = fedcluster.resume(out, model=model, federation=federation, report=False)
+    assert sorted(set(resumed.clients["round"])) == [3, 4]
+    assert len(resumed.clients) == 2 * federation.n_clients
