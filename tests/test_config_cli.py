@@ -81,11 +81,18 @@ def test_cli_reports_bad_config_without_traceback(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_refuses_to_overwrite_a_run_directory(tmp_path, capsys):
-    (tmp_path / "metrics.csv").write_text("keep me")
-    assert main(["run", "--out", str(tmp_path), "--rounds", "1"]) == 2
-    assert (tmp_path / "metrics.csv").read_text() == "keep me"
-    assert "not empty" in capsys.readouterr().err
+def test_cli_never_writes_into_an_existing_directory_without_overwrite(tmp_path, capsys):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.csv").write_text("keep me")
+    assert main(["run", "--out", str(old), "--rounds", "1", "--quiet", "--no-report"]) == 0
+    assert (old / "metrics.csv").read_text() == "keep me"
+    assert (tmp_path / "old-2" / "summary.json").is_file()  # written beside it instead
+    # --overwrite replaces run directories only: this one has no config.yaml
+    args = ["run", "--out", str(old), "--rounds", "1", "--overwrite"]
+    assert main(args) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert (old / "metrics.csv").read_text() == "keep me"
 
 
 def test_cli_list_shows_every_registry():

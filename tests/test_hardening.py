@@ -73,8 +73,9 @@ def stopped(tmp_path) -> Path:
 
 
 def test_a_second_run_with_the_same_out_never_touches_the_first(tmp_path, capsys):
-    """A race: a second `run --out SAME` while the first runs exits 2 ("in use")
-    and the first run completes untouched; once it finished, "not empty", again untouched."""
+    """A race: a second run of the same directory while the first runs is refused
+    ("in use"), and `run --out SAME` writes SAME-2 instead; the first run completes
+    untouched; once it finished, `run --out SAME` writes SAME-3, again untouching it."""
     out = tmp_path / "run"
     slow = textwrap.dedent(f"""
         import sys, time
@@ -97,9 +98,11 @@ def test_a_second_run_with_the_same_out_never_touches_the_first(tmp_path, capsys
     )
     try:
         assert first.stdout is not None and first.stdout.readline().strip() == "round 1"
-        assert main(["run", *ARGS, "--out", str(out)]) == 2
-        _one_line_error(capsys, "in use by process", str(first.pid))
+        with pytest.raises(FedclusterError, match=f"in use by process {first.pid}"):
+            Experiment(_config()).run(out, progress=False)
         assert out.is_dir()  # not removed by the process that did not create it
+        assert main(["run", *ARGS, "--out", str(out)]) == 0
+        assert len(_metrics(out.with_name("run-2"))) == 5
     finally:
         assert first.wait(timeout=120) == 0
 
@@ -108,8 +111,8 @@ def test_a_second_run_with_the_same_out_never_touches_the_first(tmp_path, capsys
 
     done = files()
     assert "summary.json" in done and len(_metrics(out)) == 5
-    assert main(["run", *ARGS, "--out", str(out)]) == 2
-    _one_line_error(capsys, "not empty")
+    assert main(["run", *ARGS, "--out", str(out)]) == 0
+    assert len(_metrics(out.with_name("run-3"))) == 5
     assert files() == done
 
 

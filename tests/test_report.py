@@ -47,8 +47,13 @@ STATIC_SECTIONS = {
     "clusters",
     "communication",
     "diagnostics",
+    "groups",
+    "worst-clients",
+    "cluster-size",
     "config",
 }
+TABLE_SECTIONS = {"summary", "groups", "worst-clients", "config"}
+"""Sections without a figure."""
 
 
 def _run_cli(tmp: Path, name: str, raw: dict, *extra: str, capsys=None) -> tuple[Path, str]:
@@ -122,7 +127,7 @@ def test_static_report_has_its_sections_and_no_dp_or_events(static_run):
     assert _sections(html) == STATIC_SECTIONS
     _check_pngs(static_run, html)
     md = (static_run / "report.md").read_text()
-    for key in STATIC_SECTIONS - {"summary", "config"}:
+    for key in STATIC_SECTIONS - TABLE_SECTIONS:
         assert f"(plots/{key}.png)" in md
     # the final table and the resolved config come from the run directory
     assert "| ifca" in md and "final acc %" in md

@@ -33,18 +33,21 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from pydantic import BaseModel
 from torch import nn
 
 from fedcluster.algorithms import ALGORITHMS, Algorithm, AlgorithmParams
 from fedcluster.callbacks import Callback
+from fedcluster.client_results import read_clients
 from fedcluster.cluster_choice import Assignment, DeviceData, FinishedRun
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, deep_merge, validate_config
 from fedcluster.data.federation import Federation
 from fedcluster.engine.modes import LossFn
 from fedcluster.errors import ConfigError
 from fedcluster.plugins import import_object
+from fedcluster.rundir import fresh_run_path
 from fedcluster.runner import Experiment
 from fedcluster.runner import resume as _resume
 
@@ -68,23 +71,26 @@ class RunResult:
 
     ``metrics`` holds ``metrics.csv`` as one dict per row (round × algorithm ×
     seed, numbers as floats; :meth:`to_pandas` gives a DataFrame), ``summary``
-    ``summary.json`` (one entry per job), ``report`` the HTML report's path (None
-    with ``report=False``).
+    the jobs of ``summary.json`` (one dict per (algorithm, seed) job),
+    ``clients`` ``clients.csv`` as a pandas DataFrame (one row per client at
+    each evaluation round: accuracy, loss, samples, group, cluster), ``report``
+    the HTML report's path (None with ``report=False``).
     """
 
     path: Path
     metrics: list[dict[str, Any]]
     summary: list[dict[str, Any]]
+    clients: pd.DataFrame
     report: Path | None
 
     @classmethod
     def load(cls, path: str | Path, report: Path | None = None) -> RunResult:
-        """Read a run directory's ``metrics.csv`` and ``summary.json``."""
+        """Read a run directory's ``metrics.csv``, ``summary.json`` and ``clients.csv``."""
         path = Path(path)
         with open(path / "metrics.csv", newline="") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-        summary = json.loads((path / "summary.json").read_text())
-        return cls(path, metrics, summary, report)
+        summary = json.loads((path / "summary.json").read_text())["jobs"]
+        return cls(path, metrics, summary, read_clients(path), report)
 
     def column(self, name: str, algorithm: str, seed: int | None = None) -> list[Any]:
         """Column ``name`` of ``algorithm``'s rows (one seed, or every seed), in round order."""
@@ -104,12 +110,8 @@ class RunResult:
             out.setdefault(algorithm, []).append(float(row["accuracy"]))
         return {a: sum(v) / len(v) for a, v in out.items()}
 
-    def to_pandas(self) -> Any:
-        """``metrics`` as a pandas DataFrame (pandas is not a dependency: install it)."""
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ConfigError("RunResult.to_pandas needs pandas: pip install pandas") from None
+    def to_pandas(self) -> pd.DataFrame:
+        """``metrics`` as a pandas DataFrame."""
         return pd.DataFrame(self.metrics)
 
 
@@ -243,6 +245,7 @@ def run(
     report: bool = True,
     progress: bool = False,
     loss: LossFn | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Run ``algorithms`` on ``federation`` with ``model``; write the run directory ``out``.
 
@@ -257,7 +260,8 @@ def run(
             config's dataset and partition.
         algorithms: see :data:`AlgorithmLike`; e.g. ``[IFCA(n_clusters=3), "fedavg"]``.
         rounds, seeds: communication rounds; one run per seed.
-        out: the run directory (default ``runs/<name>-<timestamp>``); must be new or empty.
+        out: the run directory (default ``runs/<name>-<timestamp>``); where it exists
+            already, the first free ``out-2``, ``out-3``, ... (``RunResult.path`` says which).
         train: local training, a :class:`TrainConfig` (``Train``) or a mapping of its fields.
         config: any other config fields (:class:`ExperimentConfig` or a mapping, e.g.
             ``{"participation": {"fraction": 0.5}}``); the arguments above override it.
@@ -265,6 +269,7 @@ def run(
             ``on_round_end`` to stop a job).
         report: write ``report.html`` and ``report.md`` as the CLI does.
         progress: progress bars.
+        overwrite: replace the run directory ``out`` if it exists (only a run directory).
         loss: a loss function ``(logits, targets) -> mean loss`` instead of
             cross-entropy (recorded by import path where it has one; or name it in
             ``train={"loss": "package.module:function"}``).
@@ -290,7 +295,7 @@ def run(
     experiment = Experiment(
         cfg, model=model_obj, federation=fed_obj, callbacks=callbacks, loss=loss
     )
-    path = Path(out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}")
+    path = fresh_run_path(out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}", overwrite)
     experiment.run(path, progress=progress)  # claims the directory: new or empty (rundir.claim)
     return RunResult.load(path, _write_report(path) if report else None)
 

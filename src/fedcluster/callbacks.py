@@ -25,11 +25,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """One run: its directory and resolved config; ``resume`` when continuing a killed run."""
+    """One run: its directory and resolved config; ``resume`` when continuing a killed run;
+    ``record`` the code and data that make it (:mod:`fedcluster.provenance`), its data
+    entries filled in as each seed's federation is built."""
 
     path: Path
     config: ExperimentConfig
     resume: bool = False
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -40,9 +43,12 @@ class JobInfo:
     the round's other records are here too: ``events`` (``(client, kind,
     detail)``: joins, departures, drift, failures, rejections), ``clusters``
     (each client's cluster, −1 unassigned; ``None`` for unclustered methods),
-    ``groups`` (ground truth, where known) and ``diagnostics`` (the
-    algorithm's per-round scalars). ``rows`` holds every metrics row so far
-    (of a resumed job too); ``privacy`` the job's DP ledger (local or central).
+    ``groups`` (ground truth, where known), ``diagnostics`` (the
+    algorithm's per-round scalars) and ``client_results`` (one
+    :func:`~fedcluster.client_results.client_records` dict per evaluated client,
+    the rows of ``clients.csv``; empty in a round without evaluation). ``rows``
+    holds every metrics row so far (of a resumed job too); ``privacy`` the job's
+    DP ledger (local or central).
     """
 
     run: RunInfo
@@ -54,6 +60,7 @@ class JobInfo:
     clusters: np.ndarray | None = None
     groups: np.ndarray | None = None
     diagnostics: dict[str, float] = field(default_factory=dict)
+    client_results: list[dict[str, Any]] = field(default_factory=list)
     privacy: LocalDP | CentralDP | None = None
     wall_offset: float = 0.0
     """Seconds the job had run before this process took it up (a resumed job)."""

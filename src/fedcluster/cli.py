@@ -51,6 +51,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", help="run directory (default runs/<name>[-<what --set changed>]-<timestamp>)"
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run directory --out if it exists (default: keep it and write "
+        "to the first free OUT-2, OUT-3, ...)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _report_flags(p)
 
@@ -224,6 +230,7 @@ def _algorithm_names(args: argparse.Namespace) -> list[str] | None:
 def _run(args: argparse.Namespace) -> int:
     from fedcluster.config import resolve_config
     from fedcluster.overrides import run_slug
+    from fedcluster.rundir import fresh_run_path
     from fedcluster.runner import Experiment
 
     config = resolve_config(
@@ -239,6 +246,7 @@ def _run(args: argparse.Namespace) -> int:
     out = check_path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}", "--out")
     if out.exists() and not out.is_dir():
         raise FedclusterError(f"--out {out} is an existing file, not a directory")
+    out = fresh_run_path(out, args.overwrite)
     print(f"fedcluster: {config.name} -> {out}", file=sys.stderr)
     callbacks = _callbacks(args)
     # a run that fails before its first checkpoint removes the directory it created
@@ -331,7 +339,10 @@ def _resume(args: argparse.Namespace) -> int:
 def _print_summary(out: Path) -> None:
     print()
     print((out / "summary.md").read_text(), end="")
-    print(f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}")
+    print(
+        f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}   "
+        f"clients: {out / 'clients.csv'}"
+    )
 
 
 def _assign(args: argparse.Namespace) -> int:

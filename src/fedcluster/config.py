@@ -25,6 +25,8 @@ from fedcluster.errors import ConfigError
 from fedcluster.overrides import apply_sweeps, expand_algorithm_key, select_algorithms
 
 DEFAULT_PRESET = "quickstart"
+RECORD_KEY = "record"
+"""The last key of a run's ``config.yaml``: the code and data that made the run."""
 MAX_ROUNDS = 1_000_000  # a bound no run can reach anyway: larger counts are typos
 
 DriftKind = Literal["rotate", "swap_labels", "redistribute"]
@@ -373,10 +375,30 @@ class AggregationConfig(_Strict):
     )
 
 
+def bare_name(entry: Any) -> Any:
+    """An ``algorithms`` entry given by its bare name (``fedavg``, ``pkg.mod:Class``) as
+    ``{name: ...}``, as Python's ``fedcluster.run(algorithms=["fedavg"])`` takes it; any
+    other entry unchanged."""
+    return {"name": entry} if isinstance(entry, str) else entry
+
+
+def bare_names(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with its bare-named ``algorithms`` entries written out (:func:`bare_name`)."""
+    algorithms = raw.get("algorithms")
+    if not isinstance(algorithms, list):
+        return raw
+    return {**raw, "algorithms": [bare_name(a) for a in algorithms]}
+
+
 class AlgorithmSpec(_Strict):
     name: str
     label: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, data: Any) -> Any:
+        return bare_name(data)
 
     def display_name(self) -> str:
         """The label if given, else the name with its parameters, e.g. ``jgl(lam=0.5)``."""
@@ -408,8 +430,11 @@ class ExperimentConfig(_Strict):
     )
     eval_every: int = Field(1, ge=1, le=MAX_ROUNDS)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
-    device: Literal["cpu", "cuda", "auto"] = Field(
-        "cpu", description="where the simulator computes (auto: cuda when a GPU is visible)"
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda|cuda:\d+|mps|auto)$",
+        description="where the simulator computes: cpu, cuda, cuda:N (the N-th GPU), mps "
+        "(Apple GPU) or auto (cuda when a GPU is visible)",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
@@ -477,6 +502,8 @@ def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
     """Validate a raw config dict; raise ConfigError naming every bad field."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a mapping of fields, got {type(raw).__name__}")
+    # a run's config.yaml ends with what made the run (fedcluster.provenance): not an input
+    raw = {k: v for k, v in raw.items() if k != RECORD_KEY}
     try:
         return ExperimentConfig(**raw)
     except ValidationError as exc:
@@ -581,9 +608,9 @@ def resolve_config(
     if preset is None and config_path is None:
         preset = DEFAULT_PRESET
     if preset is not None:
-        raw = load_preset(preset)
+        raw = bare_names(load_preset(preset))
     if config_path is not None:
-        raw = deep_merge(raw, load_yaml(config_path))
+        raw = deep_merge(raw, bare_names(load_yaml(config_path)))
     if algorithms:
         raw = select_algorithms(raw, algorithms)
     for assignment in sets or []:

@@ -5,7 +5,9 @@ Run directory (DESIGN "Run directory"): ``config.yaml`` (fully resolved),
 (client -> cluster per round, with the true group; −1 for a client not
 present), ``events.csv`` (per job and round: faulty clients, joins,
 departures, drift, failures and rejections, each with client and detail),
-``diagnostics.csv`` (an algorithm's per-round scalars), ``select_k.csv`` (the
+``diagnostics.csv`` (an algorithm's per-round scalars), ``clients.csv`` (each
+client's test accuracy, loss and samples at the evaluation rounds, with its
+group and cluster), ``select_k.csv`` (the
 criterion per K of ``n_clusters: auto`` jobs), ``summary.json`` / ``summary.md``
 and ``checkpoints/``. Each file is written by one callback
 (:mod:`fedcluster.callbacks`), so the runner's loop does none of it.
@@ -31,14 +33,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from fedcluster import safefiles
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
+from fedcluster.client_results import CLIENT_COLUMNS, client_line
 from fedcluster.config import ExperimentConfig, dump_config
 from fedcluster.errors import FedclusterError
 from fedcluster.metrics import COLUMNS, format_row, note_cluster_shortfall
 from fedcluster.plugins import is_import_path
+from fedcluster.provenance import config_text
 from fedcluster.report import format_table, summary_rows
 
 CLUSTER_COLUMNS = ["algorithm", "seed", "round", "client", "cluster", "true_group"]
@@ -62,6 +66,49 @@ PREPARED = (".lock", "deployment")
 ``fedcluster flower local`` writes before its ServerApp starts the run."""
 
 
+def _free(path: Path) -> bool:
+    """Whether a new run may claim ``path``: absent, or a directory holding only
+    :data:`PREPARED` entries."""
+    if not os.path.lexists(path):
+        return True
+    return path.is_dir() and all(p.name in PREPARED for p in path.iterdir())
+
+
+def fresh_run_path(out: str | Path, overwrite: bool = False) -> Path:
+    """Where a new run asked to write ``out`` writes.
+
+    ``out`` itself when it is free (absent or empty); with ``overwrite`` an existing
+    run directory there is emptied first (while holding its lock: never one that a
+    run or resume is writing), and anything that is not a run directory refused;
+    otherwise the first free ``out-2``, ``out-3``, ... (re-running a notebook cell
+    keeps the earlier run).
+    """
+    path = Path(out)
+    if _free(path):
+        return path
+    if not path.is_dir():
+        raise FedclusterError(f"--out {path} is an existing file or under one, not a directory")
+    if overwrite:
+        if not (path / "config.yaml").is_file():
+            raise FedclusterError(
+                f"--overwrite: {path} is not a run directory (no config.yaml); "
+                "it replaces run directories only"
+            )
+        with RunDirectory(path).lock():
+            for entry in path.iterdir():
+                if entry.name in PREPARED:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        return path
+    n = 2
+    while not _free(path.with_name(f"{path.name}-{n}")):
+        n += 1
+    return path.with_name(f"{path.name}-{n}")
+
+
 class RunDirectory:
     """Reads and writes the files of a run directory, atomically where it matters."""
 
@@ -69,6 +116,7 @@ class RunDirectory:
         self.path = Path(path)
         self.metrics = self.path / "metrics.csv"
         self.clusters = self.path / "clusters.csv"
+        self.clients = self.path / "clients.csv"
         self.diagnostics = self.path / "diagnostics.csv"
         self.events = self.path / "events.csv"
         self.checkpoints = self.path / "checkpoints"
@@ -141,11 +189,16 @@ class RunDirectory:
                     shutil.rmtree(self.path, ignore_errors=True)
                 raise
 
-    def create(self, config: ExperimentConfig) -> None:
+    def create(self, config: ExperimentConfig, record: dict[str, Any]) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        safefiles.write_atomic(self.path / "config.yaml", dump_config(config))
+        self.write_config(config, record)
         for path, header in self.tables():
             safefiles.write_atomic(path, _csv_text([header]))
+
+    def write_config(self, config: ExperimentConfig, record: dict[str, Any]) -> None:
+        """``config.yaml``: the resolved config and the run's record
+        (:mod:`fedcluster.provenance`)."""
+        safefiles.write_atomic(self.path / "config.yaml", config_text(config, record))
 
     def checkpoint_path(self, label: str, seed: int) -> Path:
         safe = "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)
@@ -173,23 +226,35 @@ class RunDirectory:
             (self.clusters, CLUSTER_COLUMNS),
             (self.diagnostics, DIAGNOSTIC_COLUMNS),
             (self.events, EVENT_COLUMNS),
+            (self.clients, CLIENT_COLUMNS),
         ]
 
-    def rebuild_job(self, label: str, seed: int, lines: dict[Path, list[list[str]]]) -> list[str]:
-        """Replace one job's rows in every table by ``lines`` (what its checkpoint holds).
+    def rebuild_job(
+        self, label: str, seed: int, lines: dict[Path, list[list[str]]], through: int
+    ) -> list[str]:
+        """Replace one job's rows in every table by ``lines``, what its checkpoint of
+        round ``through`` holds (0: no checkpoint).
 
-        The checkpoint is the source of truth: rows of the job that were edited,
-        cut or deleted come back as they were written, rows beyond the checkpoint
-        go (the resumed job writes them again), and a deleted table is recreated.
-        Other jobs' rows are kept; rows that cannot be read are dropped. Returns
-        the names of the tables whose rows of this job (or unreadable rows) changed.
+        The checkpoint is the source of truth: rows of the job's rounds up to
+        ``through`` that were edited, cut or deleted come back as they were
+        written, rows beyond it go (the resumed job writes them again), and a
+        deleted table is recreated. ``clients.csv``, which checkpoints do not
+        hold, keeps the job's rows up to ``through``. Other jobs' rows are kept;
+        rows that cannot be read are dropped. Returns the names of the tables
+        whose rows of this job up to ``through`` differed from the checkpoint's
+        (or that held unreadable rows, or were missing): on a normal resume, none.
         """
         changed = []
         for path, header in self.tables():
             kept, mine, dropped = self._rows_apart(path, header, label, seed)
-            new = lines.get(path, [])
-            if mine != new or dropped or not path.exists():
-                changed.append(path.name)
+            r = header.index("round")
+            mine = [row for row in mine if int(row[r]) <= through]
+            if path == self.clients:
+                new = mine
+            else:
+                new = lines.get(path, [])
+                if mine != new or dropped or not path.exists():
+                    changed.append(path.name)
             safefiles.write_atomic(path, _csv_text([header, *kept, *new]))
         return changed
 
@@ -219,7 +284,7 @@ class RunDirectory:
         def order(r: dict[str, str]) -> tuple:
             return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
 
-        for path in (self.metrics, self.clusters, self.diagnostics, self.events):
+        for path, _ in self.tables():
             self._rewrite(path, lambda r: True, order)
 
     def save_k_curve(
@@ -544,6 +609,19 @@ class ClustersWriter(Callback):
             self.rundir.append(self.rundir.clusters, rows)
 
 
+class ClientsWriter(Callback):
+    """``clients.csv``: every evaluated client's accuracy, loss and test samples, with its
+    group and cluster (:mod:`fedcluster.client_results`)."""
+
+    def __init__(self, rundir: RunDirectory) -> None:
+        self.rundir = rundir
+
+    def on_round_end(self, job: JobInfo, rnd: int, row: dict[str, Any], state: Any) -> None:
+        if job.client_results:
+            lines = [client_line(record) for record in job.client_results]
+            self.rundir.append(self.rundir.clients, lines)
+
+
 class Checkpointer(Callback):
     """``checkpoints/<label>-seed<s>.pt`` every ``every`` rounds and after the last,
     written atomically: what :func:`fedcluster.runner.resume` continues from."""
@@ -607,7 +685,8 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class ProgressBar(Callback):
-    """A tqdm bar per job, with the last accuracy."""
+    """A progress bar per job, with the last accuracy (``tqdm.auto``: a widget in Jupyter,
+    text in a terminal)."""
 
     def __init__(self, last: int) -> None:
         self.last = last
@@ -645,7 +724,7 @@ class SummaryWriter(Callback):
     def on_run_end(self, run: RunInfo, results: list[JobResult]) -> None:
         if run.resume:
             self.rundir.sort_rows([(j.algorithm, j.seed) for j in results])
-        write_summary(run.path, run.config, results)
+        write_summary(run.path, run.config, results, run.record)
 
 
 def run_directory_callbacks(
@@ -657,6 +736,7 @@ def run_directory_callbacks(
         EventsWriter(rundir),
         DiagnosticsWriter(rundir),
         ClustersWriter(rundir),
+        ClientsWriter(rundir),
         Checkpointer(rundir, config.checkpoint_every, config.rounds, config_digest(config)),
         SummaryWriter(rundir),
     ]
@@ -702,9 +782,13 @@ def _nan(v: object) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def write_summary(path: Path, config: ExperimentConfig, results: list[JobResult]) -> None:
-    """``summary.json`` (per-job summaries, NaN as null) and ``summary.md`` (the table)."""
+def write_summary(
+    path: Path, config: ExperimentConfig, results: list[JobResult], record: dict[str, Any]
+) -> None:
+    """``summary.json`` (per-job summaries, NaN as null, and the run's record) and
+    ``summary.md`` (the table)."""
     jobs = [{k: None if _nan(v) else v for k, v in job_summary(j).items()} for j in results]
-    text = json.dumps({"name": config.name, "jobs": jobs}, indent=2, allow_nan=False)
+    summary = {"name": config.name, "record": record, "jobs": jobs}
+    text = json.dumps(summary, indent=2, allow_nan=False)
     safefiles.write_atomic(path / "summary.json", text)
     safefiles.write_atomic(path / "summary.md", format_table(summary_rows(jobs)) + "\n")

@@ -36,6 +36,7 @@ from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.algorithms.select_k import select_k
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.central_dp import CentralDP
+from fedcluster.client_results import client_records
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
@@ -54,6 +55,7 @@ from fedcluster.metrics import accuracy_columns, cluster_columns, honest_accurac
 from fedcluster.models import build_model, check_rows_fit
 from fedcluster.plugins import import_object
 from fedcluster.privacy import LocalDP, reported_epsilon
+from fedcluster.provenance import data_record, run_record
 from fedcluster.rebuild import check_rebuildable, record_given
 from fedcluster.rng import numpy_rng
 from fedcluster.rundir import (
@@ -244,16 +246,20 @@ class Experiment:
         device: torch.device,
     ) -> list[JobResult]:
         cfg = self.config
+        record = run_record(self.backend_factory.name)
         if not resume:
-            rundir.create(cfg)
+            rundir.create(cfg, record)
         last = cfg.rounds if stop_after_round is None else min(cfg.rounds, stop_after_round)
         callbacks = [*run_directory_callbacks(rundir, cfg, last, progress), *self.callbacks]
-        run = RunInfo(rundir.path, cfg, resume)
+        run = RunInfo(rundir.path, cfg, resume, record)
         for callback in callbacks:
             callback.on_run_start(run)
         results = []
         for seed in cfg.seeds:
             federation, pool = self.data(seed)
+            record["data"].append(data_record(cfg, seed, federation))
+            if not resume:  # a resumed run's config.yaml stays as its checkpoints knew it
+                rundir.write_config(cfg, record)
             if isinstance(federation, Federation):  # the nodes hold the data on Flower
                 federation = federation.to(device)
             setting, scenario = self.setting(federation, seed)
@@ -278,6 +284,9 @@ class Experiment:
 class BackendFactory(Protocol):
     """Where a job's client computations run: the federation the server sees and its backend."""
 
+    name: str
+    """The backend's name in the run's record (:mod:`fedcluster.provenance`)."""
+
     def federation(self, seed: int) -> FederationView: ...
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend: ...
@@ -285,6 +294,8 @@ class BackendFactory(Protocol):
 
 class SimulatorFactory:
     """The batched simulator over the config's dataset and partition (the default)."""
+
+    name = "simulator"
 
     def __init__(self, config: ExperimentConfig, loss: LossFn | None = None) -> None:
         self.config = config
@@ -436,7 +447,7 @@ class Job:
         info = self.info
         found = self.checkpointed(rundir)
         if found is None:
-            rundir.rebuild_job(info.label, info.seed, {})
+            rundir.rebuild_job(info.label, info.seed, {}, through=0)
             return None
         ckpt, state = found
         info.first_round = ckpt.round + 1
@@ -444,8 +455,8 @@ class Job:
         info.wall_offset = ckpt.wall_seconds
         info.restored = ckpt
         lines = ckpt.lines(rundir, info.label, info.seed, info.groups)
-        repaired = rundir.rebuild_job(info.label, info.seed, lines)
-        if any(len(rows) for rows in lines.values()) and repaired:
+        repaired = rundir.rebuild_job(info.label, info.seed, lines, through=ckpt.round)
+        if repaired:
             log.warning(
                 "resume: %s seed %d: rebuilt %s from its checkpoint (round %d); "
                 "rows that had been edited, cut or deleted are restored",
@@ -492,10 +503,14 @@ class Job:
         row.update(cluster_columns(assign, federation.groups))
         t1 = time.perf_counter()
         honest: dict[str, float] = {}
+        info.client_results = []
         if channel.present.any() and (rnd % cfg.eval_every == 0 or rnd == cfg.rounds):
             result = algorithm.evaluate(state, rnd)
             row.update(accuracy_columns(result))
             honest = honest_accuracy(result, self.scenario.fault < 0)
+            info.client_results = client_records(
+                info.label, info.seed, rnd, result, assign, federation.groups
+            )
         else:
             row.update(
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan

@@ -8,13 +8,16 @@ simulator on the same config.
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcluster[flower]'`")
 
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
+from fedcluster.client_results import read_clients  # noqa: E402
 from fedcluster.config import validate_config  # noqa: E402
 from fedcluster.errors import ConfigError  # noqa: E402
 from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
@@ -65,6 +68,16 @@ def _same_run_on_both_backends(config, tmp_path: Path, rel: float = 0.0) -> list
     ]
     sim = assert_same_run(tmp_path / "sim", tmp_path / "flower", rel)
     assert len(sim) == config.rounds * len(config.algorithms)
+    # the per-client results too, and each run records the backend that ran it
+    pd.testing.assert_frame_equal(
+        read_clients(tmp_path / "sim"),
+        read_clients(tmp_path / "flower"),
+        check_exact=rel == 0.0,
+        rtol=rel or 1e-5,
+    )
+    for backend, out in (("simulator", "sim"), ("flower", "flower")):
+        summary = json.loads((tmp_path / out / "summary.json").read_text())
+        assert summary["record"]["backend"] == backend
     return sim
 
 

@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from fedcluster.errors import DataError
 

@@ -77,6 +77,8 @@ class FlowerBackends:
     client computations to those nodes. ``expected`` is the server's manifest of the
     exported data (:func:`~fedcluster.flower.backend.discover`)."""
 
+    name = "flower"
+
     def __init__(
         self,
         config: ExperimentConfig,

@@ -5,7 +5,9 @@ quality (purity as in JGL Sec. III-A-3, ARI, cluster count) and assignment
 heatmaps only when some algorithm clusters, ε only when local DP was on
 (:mod:`fedcluster.privacy`), the events timeline only when ``events.csv`` has
 rows (a dynamic federation, :mod:`fedcluster.scenario`), algorithm diagnostics
-only when ``diagnostics.csv`` has rows, the test-time cluster choices only when
+only when ``diagnostics.csv`` has rows, per-group accuracy, the worst clients
+and accuracy against cluster size when ``clients.csv`` has rows, the test-time
+cluster choices only when
 ``assign.csv`` has rows (:mod:`fedcluster.cluster_choice`). The writers
 (:mod:`fedcluster.reporting.writers`) render the same sections as HTML and
 Markdown.
@@ -16,8 +18,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pandas as pd
+
 from fedcluster.report import summary_rows
-from fedcluster.reporting import figures
+from fedcluster.reporting import clients, figures
 from fedcluster.reporting.rundata import RunData
 
 
@@ -107,6 +111,7 @@ def build_sections(runs: list[RunData]) -> list[Section]:
         if key == "select-k":
             section.tables = [(r.name, _k_curves(r)) for r in runs if r.select_k]
         out.append(section)
+    out += _client_sections(runs)
     if any(r.assign for r in runs):
         from fedcluster.cluster_choice import summarise  # imports torch: only when needed
 
@@ -127,6 +132,57 @@ def build_sections(runs: list[RunData]) -> list[Section]:
         key = "config" if len(runs) == 1 else f"config-{len(out)}"
         out.append(
             Section(key, title, f"The resolved config.yaml of {run.path}.", code=run.config_text)
+        )
+    return out
+
+
+def _client_sections(runs: list[RunData]) -> list[Section]:
+    """Per-group accuracy, the worst 10% of clients and accuracy against cluster size, from
+    ``clients.csv`` (:mod:`fedcluster.reporting.clients`); none for runs without it."""
+    finals = [(r.name if len(runs) > 1 else "", clients.last_round(r)) for r in runs]
+    finals = [(name, final) for name, final in finals if not final.empty]
+    if not finals:
+        return []
+    out = []
+    groups = [(name, clients.group_accuracy(final)) for name, final in finals]
+    if any(rows for _, rows in groups):
+        out.append(
+            Section(
+                "groups",
+                "Accuracy per group",
+                "Each true group's test accuracy over its clients' test samples, every client "
+                "using the model it would use, at the last evaluation round (mean over seeds).",
+                tables=[(name, rows) for name, rows in groups if rows],
+            )
+        )
+    out.append(
+        Section(
+            "worst-clients",
+            "Worst clients",
+            "The mean test accuracy of the worst 10% of clients (at least one), the lowest and "
+            "the mean client accuracy at the last evaluation round (mean over seeds), and which "
+            "clients those are (clients.csv has every client).",
+            tables=[(name, clients.worst_clients(final)) for name, final in finals],
+        )
+    )
+    sized = []
+    for name, final in finals:
+        mine = clients.cluster_sizes(final)
+        if name:  # the same algorithm of two runs, told apart
+            mine["algorithm"] = name + ": " + mine["algorithm"]
+        sized.append(mine)
+    sizes = pd.concat(sized)
+    fig = clients.size_figure(sizes)
+    if fig is not None:
+        out.append(
+            Section(
+                "cluster-size",
+                "Accuracy against cluster size",
+                "Each client's test accuracy at the last evaluation round against how many "
+                "clients share its cluster (dots; line: the mean per size), for the methods "
+                "that cluster clients.",
+                figures.png(fig),
+            )
         )
     return out
 
