@@ -8,7 +8,9 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
 
 - :func:`run`, :func:`resume`, :class:`RunResult`: the Python API (:mod:`fedcluster.api`);
   :func:`assign`: a finished run's cluster model for a new device's data, with or
-  without labels (:mod:`fedcluster.cluster_choice`);
+  without labels (:mod:`fedcluster.cluster_choice`); :func:`sweep`, :class:`SweepResult`:
+  one run per setting of any config fields, with confidence intervals over seeds and
+  paired tests between methods (:mod:`fedcluster.sweeps`);
 - :class:`Federation` (``Federation.from_clients``), :class:`Experiment`, :class:`Callback`;
 - the algorithms' parameter objects, the same pydantic classes that validate the
   YAML's ``params``: ``FedAvg``, ``FedProx``, ``FedAvgFT``, ``Local``, ``IFCA``,
@@ -32,6 +34,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "resume": ("fedcluster.api", "resume"),
     "RunResult": ("fedcluster.api", "RunResult"),
     "assign": ("fedcluster.api", "assign"),
+    "sweep": ("fedcluster.sweeps", "sweep"),
+    "SweepResult": ("fedcluster.sweeps", "SweepResult"),
     "Experiment": ("fedcluster.runner", "Experiment"),
     "Federation": ("fedcluster.data.federation", "Federation"),
     "Callback": ("fedcluster.callbacks", "Callback"),
@@ -73,6 +77,8 @@ __all__ = [
     "resume",
     "RunResult",
     "assign",
+    "sweep",
+    "SweepResult",
     "Experiment",
     "Federation",
     "Callback",
@@ -114,7 +120,9 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'fedcluster' has no attribute {name!r}")
     module, attr = _EXPORTS[name]
-    if module == "fedcluster.api" or module.startswith("fedcluster.algorithms."):
+    if module in ("fedcluster.api", "fedcluster.sweeps") or module.startswith(
+        "fedcluster.algorithms."
+    ):
         importlib.import_module("fedcluster.algorithms")  # every built-in registered
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
@@ -161,3 +169,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from fedcluster.reporting import write_report
     from fedcluster.runner import Experiment
+    from fedcluster.sweeps import SweepResult, sweep

@@ -1,0 +1,159 @@
+"""Sweeps over any config field: the same table from the CLI and from Python, its
+confidence intervals and paired tests against scipy on the per-seed numbers, random
+search draws, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats
+
+import fedcluster
+from fedcluster.cli import main
+from fedcluster.errors import ConfigError
+from fedcluster.stats import WILCOXON_MIN_PAIRS, mean_ci, paired_test
+from fedcluster.sweeps import axes_of, config_for, settings_of
+from tests.helpers import digits_config
+
+
+def _tiny(seeds: int = 3) -> dict:
+    config = digits_config("tiny", rounds=2)
+    config["seeds"] = list(range(seeds))
+    return config
+
+
+def _per_seed(run: Path) -> dict[str, list[float]]:
+    """Final accuracy of each algorithm, in seed order, read from a run's summary.json."""
+    out: dict[str, dict[int, float]] = {}
+    for job in json.loads((run / "summary.json").read_text())["jobs"]:
+        out.setdefault(job["algorithm"], {})[job["seed"]] = job["final_accuracy"]
+    return {a: [v[s] for s in sorted(v)] for a, v in out.items()}
+
+
+def test_a_sweep_of_train_lr_gives_the_same_table_from_the_cli_and_python(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(_tiny()))
+    cli_out = tmp_path / "cli"
+    args = ["compare", str(path), "--algorithms", "fedavg,fedprox", "--seeds", "3"]
+    args += ["--sweep", "train.lr=0.05,0.2", "--quiet", "--out", str(cli_out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    config = {**_tiny(), "algorithms": [{"name": "fedavg"}, {"name": "fedprox"}]}
+    result = fedcluster.sweep(config, {"train.lr": [0.05, 0.2]}, out=tmp_path / "py", report=False)
+    from_cli = fedcluster.SweepResult.load(cli_out)
+    assert from_cli.results == result.results and from_cli.paired == result.paired
+    assert result.table() in printed
+    assert [r["label"] for r in result.results] == ["train.lr=0.05"] * 2 + ["train.lr=0.2"] * 2
+    # each setting is its own run, trained with its own learning rate
+    for s in result.settings:
+        saved = yaml.safe_load((result.path / s["run"] / "config.yaml").read_text())
+        assert saved["train"]["lr"] == s["values"]["train.lr"]
+        per_seed = _per_seed(result.path / s["run"])
+        rows = [r for r in result.results if r["setting"] == s["index"]]
+        for row in rows:
+            x = np.array(per_seed[row["algorithm"]])
+            low, high = stats.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=stats.sem(x))
+            assert row["per_seed"] == list(x) and row["n"] == 3
+            assert row["mean"] == pytest.approx(x.mean(), rel=1e-12)
+            assert (row["ci_low"], row["ci_high"]) == pytest.approx((low, high), rel=1e-9)
+        (pair,) = [p for p in result.paired if p["setting"] == s["index"]]
+        d = np.array(per_seed["fedavg"]) - np.array(per_seed["fedprox"])
+        t = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+        assert pair["difference"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+        assert pair["t_p"] == pytest.approx(2 * stats.t.sf(abs(t), len(d) - 1), rel=1e-9)
+    report = (cli_out / "report.md").read_text()
+    assert "train.lr=0.2" in report and "fedavg − fedprox" in report
+    assert all((cli_out / s["run"] / "report.html").exists() for s in from_cli.settings)
+
+
+def test_mean_ci_is_the_student_t_interval():
+    values = [0.61, 0.64, 0.58, 0.66]
+    ci = mean_ci(values)
+    m = sum(values) / 4
+    s = math.sqrt(sum((v - m) ** 2 for v in values) / 3)
+    half = stats.t.ppf(0.975, 3) * s / 2  # sqrt(4) = 2
+    assert (ci.mean, ci.low, ci.high) == pytest.approx((m, m - half, m + half), rel=1e-12)
+    one = mean_ci([0.5])
+    assert one.mean == 0.5 and math.isnan(one.low) and math.isnan(one.high)
+
+
+def test_paired_test_uses_the_differences_and_wilcoxon_only_where_it_can_reject():
+    a = [0.70, 0.72, 0.69]
+    b = [0.68, 0.71, 0.66]
+    test = paired_test("a", a, "b", b)
+    d = np.subtract(a, b)
+    assert test.difference.mean == pytest.approx(d.mean(), rel=1e-12)
+    assert test.t_p == pytest.approx(stats.ttest_1samp(d, 0).pvalue, rel=1e-9)
+    assert test.wilcoxon_p is None  # 3 pairs: Wilcoxon's smallest p is 2/2^3 = 0.25
+    assert 2 / 2**WILCOXON_MIN_PAIRS < 0.05 < 2 / 2 ** (WILCOXON_MIN_PAIRS - 1)
+    six = paired_test("a", [1, 2, 3, 4, 5, 6], "b", [0, 0, 0, 0, 0, 0])
+    assert six.wilcoxon_p == pytest.approx(2 / 2**6)
+    same = paired_test("a", [0.5, 0.6], "b", [0.4, 0.5])  # a constant difference
+    assert same.t_p == 0.0
+
+
+def test_a_grid_of_fields_and_an_algorithm_parameter():
+    axes = axes_of(
+        ["train.lr=0.01,0.1", "data.partition.n_clients=3,4", "algorithms.jgl.lam=0.1,0.5"]
+    )
+    settings, within = settings_of(axes, None)
+    assert settings == [
+        {"train.lr": 0.01, "data.partition.n_clients": 3},
+        {"train.lr": 0.01, "data.partition.n_clients": 4},
+        {"train.lr": 0.1, "data.partition.n_clients": 3},
+        {"train.lr": 0.1, "data.partition.n_clients": 4},
+    ]
+    raw = {**_tiny(), "algorithms": [{"name": "jgl"}]}
+    config = config_for(raw, settings[1], within)
+    assert config.train.lr == 0.01 and config.data.partition["n_clients"] == 4
+    assert [a.label for a in config.algorithms] == ["jgl(lam=0.1)", "jgl(lam=0.5)"]
+
+
+def test_random_search_draws_the_same_settings_for_the_same_seed():
+    axes = axes_of(
+        {
+            "train.lr": "loguniform(1e-3,1e-1)",
+            "train.local_epochs": "int(1,3)",
+            "model.options.hidden": [[8], [16]],
+        }
+    )
+    first, within = settings_of(axes, 20, seed=3)
+    again, _ = settings_of(axes, 20, seed=3)
+    other, _ = settings_of(axes, 20, seed=4)
+    assert first == again and first != other and within == []
+    assert all(1e-3 <= s["train.lr"] <= 1e-1 for s in first)
+    assert {s["train.local_epochs"] for s in first} <= {1, 2, 3}
+    assert {tuple(s["model.options.hidden"]) for s in first} <= {(8,), (16,)}
+    # loguniform: the draws' logarithms spread over the whole range
+    logs = np.log10([s["train.lr"] for s in first])
+    assert logs.min() < -2 < logs.max()
+
+
+@pytest.mark.parametrize(
+    ("sweeps", "trials", "message"),
+    [
+        (["train.lr"], None, "expected FIELD=v1,v2"),
+        (["train.lr=loguniform(0,1)"], 4, "positive lower bound"),
+        (["train.lr=uniform(0.5,0.1)"], 4, "must be below"),
+        (["train.lr=loguniform(1e-3,1e-1)"], None, "needs --trials"),
+        (["train.lr=0.1", "train.lr=0.2"], None, "swept twice"),
+        (["train.lr=0.1"], 0, "at least one trial"),
+    ],
+)
+def test_bad_sweeps_are_one_line_errors(sweeps, trials, message):
+    with pytest.raises(ConfigError, match=message):
+        settings_of(axes_of(sweeps), trials)
+
+
+def test_a_bad_value_stops_the_sweep_before_any_run(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(_tiny(1)))
+    out = tmp_path / "sweep"
+    assert main(["run", str(path), "--sweep", "train.lr=0.1,-1", "--quiet", "--out", str(out)]) == 2
+    assert "train.lr" in capsys.readouterr().err
+    assert not (out / "settings").exists()
