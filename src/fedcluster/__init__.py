@@ -16,10 +16,10 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
   YAML's ``params``: ``FedAvg``, ``FedProx``, ``FedAvgFT``, ``Local``, ``IFCA``,
   ``JGL``, ``CFLGT``, ``DCFL``, ``FedGroup``, ``FedGrouProx``, ``CFL``, ``FeSEM``, ``FLHC``;
 - the config sections (``ExperimentConfig``, ``TrainConfig``, ``PrivacyConfig``, ...);
-- for a method of your own: ``Algorithm``, ``AlgorithmParams``, ``State``, ``register``,
-  ``ClientComputation``, ``ClientContext``, ``Request``, ``ReplyField``,
-  ``register_computation``
-  (docs/architecture.md).
+- for a method of your own (the plugin API, docs/plugins.md): ``Algorithm``,
+  ``AlgorithmParams``, ``State``, ``register``, the server's ``Context`` and its
+  ``Exchange``, ``weighted_loss``, ``weighted_average``, ``ClientComputation``,
+  ``ClientContext``, ``Request``, ``ReplyField``, ``register_computation``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AlgorithmParams": ("fedcluster.algorithms.base", "AlgorithmParams"),
     "State": ("fedcluster.algorithms.base", "State"),
     "register": ("fedcluster.algorithms.base", "register"),
+    "Context": ("fedcluster.algorithms.base", "Context"),
+    "Exchange": ("fedcluster.algorithms.base", "Exchange"),
+    "weighted_loss": ("fedcluster.algorithms.base", "weighted_loss"),
+    "weighted_average": ("fedcluster.engine.flat", "weighted_average"),
     "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
     "ClientContext": ("fedcluster.engine.computation", "ClientContext"),
     "Request": ("fedcluster.engine.computation", "Request"),
@@ -107,6 +111,10 @@ __all__ = [
     "AlgorithmParams",
     "State",
     "register",
+    "Context",
+    "Exchange",
+    "weighted_loss",
+    "weighted_average",
     "ClientComputation",
     "ClientContext",
     "Request",
@@ -134,7 +142,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register
+    from fedcluster.algorithms.base import (
+        Algorithm,
+        AlgorithmParams,
+        Context,
+        Exchange,
+        State,
+        register,
+        weighted_loss,
+    )
     from fedcluster.algorithms.cfl import CFLParams as CFL
     from fedcluster.algorithms.cflgt import CFLGTParams as CFLGT
     from fedcluster.algorithms.dcfl import DCFLParams as DCFL
@@ -167,6 +183,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         Request,
         register_computation,
     )
+    from fedcluster.engine.flat import weighted_average
     from fedcluster.reporting import write_report
     from fedcluster.runner import Experiment
     from fedcluster.sweeps import SweepResult, sweep
