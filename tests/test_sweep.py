@@ -4,6 +4,7 @@ search draws, and one-line errors."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -157,3 +158,36 @@ def test_a_bad_value_stops_the_sweep_before_any_run(tmp_path, capsys):
     assert main(["run", str(path), "--sweep", "train.lr=0.1,-1", "--quiet", "--out", str(out)]) == 2
     assert "train.lr" in capsys.readouterr().err
     assert not (out / "settings").exists()
+
+
+def test_a_random_search_over_a_data_field_rebuilds_the_federation_per_setting(tmp_path, capsys):
+    config = digits_config(
+        "tiny", rounds=1, algorithms=[{"name": "ifca", "params": {"n_clusters": 2}}]
+    )
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "search"
+    sweeps = ["train.lr=loguniform(0.01,0.3)", "data.partition.n_clients=3,5"]
+    args = ["run", str(path), "--seed", "0", "--trials", "3", "--sweep-seed", "2"]
+    args += [a for s in sweeps for a in ("--sweep", s)] + ["--quiet", "--no-report"]
+    assert main([*args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    result = fedcluster.SweepResult.load(out)
+    drawn, _ = settings_of(axes_of(sweeps), 3, seed=2)
+    assert [s["values"] for s in result.settings] == drawn
+    for s in result.settings:
+        with open(out / s["run"] / "clusters.csv") as f:
+            clients = {r["client"] for r in csv.DictReader(f)}
+        assert len(clients) == s["values"]["data.partition.n_clients"]
+    assert [r["n"] for r in result.results] == [1, 1, 1]  # one seed: no interval
+    assert all(r["ci_low"] is None for r in result.results)
+    data = json.loads((out / "summary.json").read_text())
+    assert (data["mode"], data["trials"], data["sweep_seed"]) == ("random", 3, 2)
+    assert main(["report", str(out)]) == 0  # a sweep directory's report
+    assert "loguniform(0.01,0.3)" in (out / "report.md").read_text()
+
+
+def test_values_with_commas_inside_brackets_are_one_value():
+    (axis,) = axes_of(["model.options.hidden=[8,8],[16]"])
+    assert axis.values == ([8, 8], [16])
+    assert axes_of([axis.text()]) == [axis]

@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     _report_flags(res)
 
     rep = sub.add_parser("report", help="write report.html and report.md of one or more runs")
-    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    rep.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run directories (or one sweep directory)"
+    )
     rep.add_argument(
         "--out", help="report folder (default: the run directory; needed for several runs)"
     )
@@ -429,7 +431,13 @@ def _show(args: argparse.Namespace) -> int:
 
 def _report_command(args: argparse.Namespace) -> int:
     from fedcluster.reporting import write_report
+    from fedcluster.sweeps import is_sweep
 
+    if len(args.runs) == 1 and args.out is None and is_sweep(args.runs[0]):
+        from fedcluster.reporting.sweep import write_sweep_report
+
+        print(f"report: {write_sweep_report(args.runs[0])}")
+        return 0
     print(f"report: {write_report(args.runs, args.out)}")
     return 0
 

@@ -87,8 +87,20 @@ def parse_sweep(text: str) -> tuple[str, str, list[Any]]:
             f"--sweep {text!r}: only algorithms.<algorithm>.<parameter>=v1,v2,... sweeps "
             "within one run; other fields run once per value (fedcluster.sweep)"
         )
-    parsed = [safeyaml.loads(v, f"--sweep {key}: value {v[:80]!r}") for v in values.split(",")]
-    return parts[1], parts[2], parsed
+    return parts[1], parts[2], parse_values(key, values)
+
+
+def parse_values(key: str, text: str) -> list[Any]:
+    """``v1,v2,...`` of ``--sweep key=...`` parsed as YAML; commas inside brackets or
+    braces belong to a value (``[8,8],[16]`` is two values)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [safeyaml.loads(v, f"--sweep {key}: value {v[:80]!r}") for v in items]
 
 
 def value_text(v: Any) -> str:

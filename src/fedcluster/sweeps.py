@@ -45,7 +45,7 @@ import numpy as np
 from fedcluster import safefiles, safeyaml
 from fedcluster.config import ExperimentConfig, apply_set, load_yaml, validate_config
 from fedcluster.errors import ConfigError
-from fedcluster.overrides import apply_sweeps, run_slug, value_text
+from fedcluster.overrides import apply_sweeps, parse_values, run_slug, value_text
 from fedcluster.report import format_table
 from fedcluster.stats import mean_ci, paired_test
 
@@ -121,8 +121,7 @@ def parse_axis(text: str) -> Axis:
         return Axis(
             field, _range(field, kind, safeyaml.loads(low, where), safeyaml.loads(high, where))
         )
-    parsed = [safeyaml.loads(v, f"--sweep {field}: value {v[:80]!r}") for v in values.split(",")]
-    return Axis(field, tuple(parsed))
+    return Axis(field, tuple(parse_values(field, values)))
 
 
 def axes_of(space: Mapping[str, Any] | Sequence[str]) -> list[Axis]:
@@ -195,6 +194,15 @@ def config_for(
         raw = apply_set(raw, f"{field}={value_text(value)}")
     raw = apply_sweeps(raw, [a.text() for a in within])
     return validate_config(raw)
+
+
+def is_sweep(path: str | Path) -> bool:
+    """Whether ``path`` is a sweep directory (its ``summary.json`` lists settings)."""
+    try:
+        data = json.loads((Path(path) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "settings" in data and "results" in data
 
 
 @dataclass
