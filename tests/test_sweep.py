@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ import yaml
 from scipy import stats
 
 import fedcluster
-from fedcluster.cli import main
+from fedcluster.cli import build_parser, main
 from fedcluster.errors import ConfigError
 from fedcluster.stats import WILCOXON_MIN_PAIRS, mean_ci, paired_test
 from fedcluster.sweeps import axes_of, config_for, settings_of
@@ -191,3 +193,14 @@ def test_values_with_commas_inside_brackets_are_one_value():
     (axis,) = axes_of(["model.options.hidden=[8,8],[16]"])
     assert axis.values == ([8, 8], [16])
     assert axes_of([axis.text()]) == [axis]
+
+
+def test_the_commands_of_docs_sweeps_md_parse_into_valid_sweeps():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sweeps.md").read_text()
+    (block,) = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    commands = [c for c in block.replace("\\\n", " ").splitlines() if c.startswith("fedcluster")]
+    assert len(commands) == 3
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command)[1:])
+        settings, _ = settings_of(axes_of(args.sweeps), args.trials, args.sweep_seed)
+        assert settings and all(len(s) == len(args.sweeps) for s in settings)
