@@ -153,13 +153,26 @@ def test_bad_sweeps_are_one_line_errors(sweeps, trials, message):
         settings_of(axes_of(sweeps), trials)
 
 
-def test_a_bad_value_stops_the_sweep_before_any_run(tmp_path, capsys):
+def test_bad_input_stops_the_sweep_in_one_line_before_any_run(tmp_path, capsys):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(_tiny(1)))
     out = tmp_path / "sweep"
-    assert main(["run", str(path), "--sweep", "train.lr=0.1,-1", "--quiet", "--out", str(out)]) == 2
-    assert "train.lr" in capsys.readouterr().err
-    assert not (out / "settings").exists()
+    cases = [
+        (["--sweep", "train.lr=0.1,-1"], "train.lr"),
+        (["--sweep", "train.lr=0.1,0.2", "--backend", "flower"], "simulator backend only"),
+    ]
+    for extra, message in cases:
+        assert main(["run", str(path), *extra, "--quiet", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+        assert not out.exists()
+    (out / "kept").mkdir(parents=True)
+    assert main(["run", str(path), "--sweep", "train.lr=0.1", "--out", str(out)]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["kept"]
+    with pytest.raises(ConfigError, match="sweep metric .acc.: not one of .*final_accuracy"):
+        fedcluster.sweep(_tiny(1), {"train.lr": [0.1]}, out=tmp_path / "m", metric="acc")
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_random_search_over_a_data_field_rebuilds_the_federation_per_setting(tmp_path, capsys):

@@ -294,11 +294,10 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     slug = run_slug(args.sets, getattr(args, "algorithms", None), args.sweeps)
     out = check_path(args.out or f"runs/{base.name}-{slug}-{datetime.now():%Y%m%d-%H%M%S}", "--out")
-    print(f"fedcluster: sweep of {base.name} -> {out}", file=sys.stderr)
     callbacks = _callbacks(args)
 
     def run_one(config: ExperimentConfig, where: Path) -> None:
-        print(f"fedcluster: {where.name}", file=sys.stderr)
+        print(f"fedcluster: {config.name} -> {where}", file=sys.stderr)
         with _stops_are_resumable(where):
             Experiment(config, callbacks=callbacks).run(where, progress=not args.quiet)
 

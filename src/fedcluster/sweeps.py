@@ -253,8 +253,6 @@ def collect(
     for index, (setting, run) in enumerate(zip(settings, runs, strict=True)):
         per: dict[str, dict[int, float]] = {}
         for job in json.loads((run / "summary.json").read_text())["jobs"]:
-            if metric not in job:
-                raise ConfigError(f"sweep metric {metric!r}: not a column of summary.json")
             value = job[metric]
             per.setdefault(job["algorithm"], {})[job["seed"]] = (
                 math.nan if value is None else float(value)
@@ -360,6 +358,15 @@ def _raw(config: ExperimentConfig | Mapping[str, Any] | str | Path) -> dict[str,
     )
 
 
+def check_metric(metric: str) -> None:
+    """A one-line error unless ``metric`` is a per-job column of a run's ``summary.json``."""
+    from fedcluster.rundir import JobResult, job_summary
+
+    known = [k for k in job_summary(JobResult("", 0, [], 0.0)) if k not in ("algorithm", "seed")]
+    if metric not in known:
+        raise ConfigError(f"sweep metric {metric!r}: not one of {', '.join(known)}")
+
+
 def run_sweep(
     raw: dict[str, Any],
     axes: Sequence[Axis],
@@ -375,6 +382,7 @@ def run_sweep(
     ``out/summary.json``, ``summary.md`` and the reports (each setting's and the sweep's).
     Every setting's config is validated before the first run starts, so a bad value
     stops the sweep in one line."""
+    check_metric(metric)
     settings, within = settings_of(axes, trials, seed)
     configs = [config_for(raw, s, within) for s in settings]
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
