@@ -71,6 +71,7 @@ def test_a_sweep_of_train_lr_gives_the_same_table_from_the_cli_and_python(tmp_pa
         assert pair["t_p"] == pytest.approx(2 * stats.t.sf(abs(t), len(d) - 1), rel=1e-9)
     report = (cli_out / "report.md").read_text()
     assert "train.lr=0.2" in report and "fedavg − fedprox" in report
+    assert (cli_out / "plots" / "results.png").stat().st_size > 0
     assert all((cli_out / s["run"] / "report.html").exists() for s in from_cli.settings)
 
 
@@ -183,13 +184,14 @@ def test_a_random_search_over_a_data_field_rebuilds_the_federation_per_setting(t
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "search"
     sweeps = ["train.lr=loguniform(0.01,0.3)", "data.partition.n_clients=3,5"]
-    args = ["run", str(path), "--seed", "0", "--trials", "3", "--sweep-seed", "2"]
+    args = ["run", str(path), "--seed", "0", "--trials", "3", "--sweep-seed", "1"]
     args += [a for s in sweeps for a in ("--sweep", s)] + ["--quiet", "--no-report"]
     assert main([*args, "--out", str(out)]) == 0
     capsys.readouterr()
     result = fedcluster.SweepResult.load(out)
-    drawn, _ = settings_of(axes_of(sweeps), 3, seed=2)
+    drawn, _ = settings_of(axes_of(sweeps), 3, seed=1)
     assert [s["values"] for s in result.settings] == drawn
+    assert {s["data.partition.n_clients"] for s in drawn} == {3, 5}
     for s in result.settings:
         with open(out / s["run"] / "clusters.csv") as f:
             clients = {r["client"] for r in csv.DictReader(f)}
@@ -197,9 +199,10 @@ def test_a_random_search_over_a_data_field_rebuilds_the_federation_per_setting(t
     assert [r["n"] for r in result.results] == [1, 1, 1]  # one seed: no interval
     assert all(r["ci_low"] is None for r in result.results)
     data = json.loads((out / "summary.json").read_text())
-    assert (data["mode"], data["trials"], data["sweep_seed"]) == ("random", 3, 2)
+    assert (data["mode"], data["trials"], data["sweep_seed"]) == ("random", 3, 1)
     assert main(["report", str(out)]) == 0  # a sweep directory's report
     assert "loguniform(0.01,0.3)" in (out / "report.md").read_text()
+    assert (out / "plots" / "results.png").stat().st_size > 0
 
 
 def test_values_with_commas_inside_brackets_are_one_value():
