@@ -220,3 +220,19 @@ def test_the_commands_of_docs_sweeps_md_parse_into_valid_sweeps():
         args = build_parser().parse_args(shlex.split(command)[1:])
         settings, _ = settings_of(axes_of(args.sweeps), args.trials, args.sweep_seed)
         assert settings and all(len(s) == len(args.sweeps) for s in settings)
+
+
+def test_a_sweep_of_an_algorithm_parameter_prints_its_intervals_and_paired_tests(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(digits_config("tiny", rounds=1)))
+    out = tmp_path / "run"
+    args = ["compare", str(path), "--algorithms", "fedprox", "--seeds", "2", "--quiet"]
+    args += ["--sweep", "algorithms.fedprox.mu=0.01,0.1", "--no-report", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    per_seed = _per_seed(out)
+    assert list(per_seed) == ["fedprox(mu=0.01)", "fedprox(mu=0.1)"]
+    for label, values in per_seed.items():
+        ci = mean_ci(values)
+        assert f"| {label}" in printed and f"[{100 * ci.low:.2f}, {100 * ci.high:.2f}]" in printed
+    assert "fedprox(mu=0.01) − fedprox(mu=0.1)" in printed

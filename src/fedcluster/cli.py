@@ -272,6 +272,11 @@ def _run(args: argparse.Namespace) -> int:
         else:
             Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
     _print_summary(out)
+    if args.sweeps and len(config.seeds) > 1:  # the swept entries, compared over seeds
+        from fedcluster.sweeps import collect, format_summary
+
+        print()
+        print(format_summary("final_accuracy", *collect([{}], [out], "final_accuracy")), end="")
     _report(args, out)
     return 0
 
