@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from scipy import stats
 
@@ -174,6 +175,10 @@ def test_bad_input_stops_the_sweep_in_one_line_before_any_run(tmp_path, capsys):
     with pytest.raises(ConfigError, match="sweep metric .acc.: not one of .*final_accuracy"):
         fedcluster.sweep(_tiny(1), {"train.lr": [0.1]}, out=tmp_path / "m", metric="acc")
     assert not (tmp_path / "m").exists()
+    with pytest.raises(ConfigError, match="sweep model.options.hidden: the model is given as"):
+        fedcluster.sweep(
+            _tiny(1), {"model.options.hidden": [[4], [8]]}, model=torch.nn.Linear(64, 10)
+        )
 
 
 def test_a_random_search_over_a_data_field_rebuilds_the_federation_per_setting(tmp_path, capsys):

@@ -38,16 +38,22 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedcluster import safefiles, safeyaml
+from fedcluster.callbacks import Callback
 from fedcluster.config import ExperimentConfig, apply_set, load_yaml, validate_config
 from fedcluster.errors import ConfigError
 from fedcluster.overrides import apply_sweeps, parse_values, run_slug, value_text
 from fedcluster.report import format_table
 from fedcluster.stats import mean_ci, paired_test
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fedcluster.data.federation import Federation
 
 _RANGE = re.compile(r"^\s*(uniform|loguniform|int)\s*\(\s*([^,()]+?)\s*,\s*([^,()]+?)\s*\)\s*$")
 
@@ -430,9 +436,9 @@ def sweep(
     trials: int | None = None,
     seed: int = 0,
     metric: str = "final_accuracy",
-    model: Any = None,
-    federation: Any = None,
-    callbacks: Sequence[Any] = (),
+    model: nn.Module | None = None,
+    federation: Federation | None = None,
+    callbacks: Sequence[Callback] = (),
     report: bool = True,
     progress: bool = False,
 ) -> SweepResult:
@@ -445,7 +451,10 @@ def sweep(
         out: the sweep directory (default ``runs/<name>-sweep-<timestamp>``); new or empty.
         trials, seed: a random search of ``trials`` settings drawn with ``seed``.
         metric: the ``summary.json`` column compared (``final_accuracy``, ``best_accuracy``).
-        model, federation, callbacks: as for :func:`fedcluster.run`, for every setting.
+        model, federation, callbacks: objects every setting uses (as for
+            :func:`fedcluster.run`); a factory is named in the config instead
+            (``model.name: "pkg.module:factory"``, ``data.federation``), which a
+            sweep of model or data fields needs.
         report, progress: the sweep's ``report.html``; progress bars.
 
     Returns:
@@ -457,11 +466,16 @@ def sweep(
 
     raw = _raw(config)
     axes = axes_of(space)
-    if federation is not None and any(a.field.startswith("data.") for a in axes):
-        raise ConfigError(
-            "sweep: a data field cannot be swept when the federation is given as an object "
-            "(give a factory by import path in data.federation, or sweep other fields)"
-        )
+    for given, section, where in (
+        (model, "model", "model.name"),
+        (federation, "data", "data.federation"),
+    ):
+        swept = [a.field for a in axes if a.field.startswith(f"{section}.")]
+        if given is not None and swept:
+            raise ConfigError(
+                f"sweep {swept[0]}: the {section} is given as an object, which every setting "
+                f"would use; name a factory by import path in {where} instead"
+            )
     name = validate_config(raw).name
 
     def run_one(cfg: ExperimentConfig, where: Path) -> None:
