@@ -148,6 +148,7 @@ def test_random_search_draws_the_same_settings_for_the_same_seed():
         (["train.lr=loguniform(1e-3,1e-1)"], None, "needs --trials"),
         (["train.lr=0.1", "train.lr=0.2"], None, "swept twice"),
         (["train.lr=0.1"], 0, "at least one trial"),
+        ([], 3, "give the fields to draw with --sweep"),
     ],
 )
 def test_bad_sweeps_are_one_line_errors(sweeps, trials, message):

@@ -168,6 +168,8 @@ def settings_of(
     if trials is not None:
         if trials < 1:
             raise ConfigError(f"--trials {trials}: give at least one trial")
+        if not axes:
+            raise ConfigError(f"--trials {trials}: give the fields to draw with --sweep")
         rng = np.random.default_rng(seed)
         settings = []
         for _ in range(trials):
@@ -189,6 +191,7 @@ def settings_of(
 
 
 def setting_label(setting: Mapping[str, Any]) -> str:
+    """``field=value, ...`` of a setting, as its tables show it ('' for no swept field)."""
     return ", ".join(f"{k}={value_text(v)}" for k, v in setting.items())
 
 
