@@ -21,7 +21,7 @@ import fedcluster
 from fedcluster.cli import build_parser, main
 from fedcluster.errors import ConfigError
 from fedcluster.stats import WILCOXON_MIN_PAIRS, mean_ci, paired_test
-from fedcluster.sweeps import axes_of, config_for, settings_of
+from fedcluster.sweeps import axes_of, collect, config_for, settings_of
 from tests.helpers import digits_config
 
 
@@ -242,3 +242,20 @@ def test_a_sweep_of_an_algorithm_parameter_prints_its_intervals_and_paired_tests
         ci = mean_ci(values)
         assert f"| {label}" in printed and f"[{100 * ci.low:.2f}, {100 * ci.high:.2f}]" in printed
     assert "fedprox(mu=0.01) − fedprox(mu=0.1)" in printed
+
+
+def test_a_job_without_the_metric_is_left_out_of_its_mean_and_pairs(tmp_path):
+    values = {"a": [0.61, 0.64, 0.58], "b": [0.60, None, 0.55]}
+    jobs = [
+        {"algorithm": a, "seed": s, "final_accuracy": v}
+        for a, vs in values.items()
+        for s, v in enumerate(vs)
+    ]
+    (tmp_path / "summary.json").write_text(json.dumps({"name": "x", "jobs": jobs}))
+    results, paired = collect([{}], [tmp_path], "final_accuracy")
+    assert [r["seeds"] for r in results] == [[0, 1, 2], [0, 2]]
+    assert results[1]["mean"] == pytest.approx((0.60 + 0.55) / 2, rel=1e-12)
+    (pair,) = paired
+    assert pair["n"] == 2
+    assert pair["difference"] == pytest.approx(((0.61 - 0.60) + (0.58 - 0.55)) / 2, rel=1e-12)
+    json.dumps(paired, allow_nan=False)  # what summary.json holds

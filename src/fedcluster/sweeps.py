@@ -21,7 +21,8 @@
   as they are recorded.
 
 Each setting's jobs (algorithm × seed) give one number each (``metric``,
-default the final accuracy of ``summary.json``). Per setting and algorithm the
+default the final accuracy of ``summary.json``; a job without it, e.g. one that
+never evaluated, is left out and ``seeds`` lists those counted). Per setting and algorithm the
 result is the mean over seeds with its Student t interval, and within a
 setting every two methods are compared on their common seeds by a paired
 t-test (:mod:`fedcluster.stats` says why this test). The sweep directory holds
@@ -263,12 +264,14 @@ def collect(
         per: dict[str, dict[int, float]] = {}
         for job in json.loads((run / "summary.json").read_text())["jobs"]:
             value = job[metric]
-            per.setdefault(job["algorithm"], {})[job["seed"]] = (
-                math.nan if value is None else float(value)
-            )
+            seeds = per.setdefault(job["algorithm"], {})
+            if value is not None and not math.isnan(float(value)):  # a job without the metric
+                seeds[job["seed"]] = float(value)  # (e.g. no evaluation) is left out, not NaN
         label = setting_label(setting)
         for algorithm, by_seed in per.items():
             seeds = sorted(by_seed)
+            if not seeds:
+                continue
             ci = mean_ci([by_seed[s] for s in seeds], confidence)
             results.append(
                 {
@@ -281,11 +284,13 @@ def collect(
                     "ci_low": _number(ci.low),
                     "ci_high": _number(ci.high),
                     "seeds": seeds,
-                    "per_seed": [_number(by_seed[s]) for s in seeds],
+                    "per_seed": [by_seed[s] for s in seeds],
                 }
             )
         for a, b in itertools.combinations(per, 2):
             common = sorted(set(per[a]) & set(per[b]))
+            if not common:
+                continue
             test = paired_test(
                 a, [per[a][s] for s in common], b, [per[b][s] for s in common], confidence
             )
@@ -302,7 +307,7 @@ def collect(
                     "ci_low": _number(d.low),
                     "ci_high": _number(d.high),
                     "t_p": _number(test.t_p),
-                    "wilcoxon_p": test.wilcoxon_p,
+                    "wilcoxon_p": _number(test.wilcoxon_p),
                 }
             )
     return results, paired
