@@ -21,10 +21,10 @@
   as they are recorded.
 
 Each setting's jobs (algorithm × seed) give one number each (``metric``,
-default the final accuracy of ``summary.json``; a job without it, e.g. one that
-never evaluated, is left out and ``seeds`` lists those counted). Per setting and algorithm the
-result is the mean over seeds with its Student t interval, and within a
-setting every two methods are compared on their common seeds by a paired
+default the final accuracy of ``summary.json``; a job without it, e.g. one
+that never evaluated, is left out and ``seeds`` lists those counted). Per
+setting and algorithm the result is the mean over seeds with its Student t
+interval, and within a setting every two methods are compared on their common seeds by a paired
 t-test (:mod:`fedcluster.stats` says why this test). The sweep directory holds
 ``summary.json`` (settings, results, paired tests), ``summary.md`` (what the
 command prints) and ``report.html`` / ``report.md``.
