@@ -8,16 +8,18 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
 
 - :func:`run`, :func:`resume`, :class:`RunResult`: the Python API (:mod:`fedcluster.api`);
   :func:`assign`: a finished run's cluster model for a new device's data, with or
-  without labels (:mod:`fedcluster.cluster_choice`);
+  without labels (:mod:`fedcluster.cluster_choice`); :func:`sweep`, :class:`SweepResult`:
+  one run per setting of any config fields, with confidence intervals over seeds and
+  paired tests between methods (:mod:`fedcluster.sweeps`);
 - :class:`Federation` (``Federation.from_clients``), :class:`Experiment`, :class:`Callback`;
 - the algorithms' parameter objects, the same pydantic classes that validate the
   YAML's ``params``: ``FedAvg``, ``FedProx``, ``FedAvgFT``, ``Local``, ``IFCA``,
   ``JGL``, ``CFLGT``, ``DCFL``, ``FedGroup``, ``FedGrouProx``, ``CFL``, ``FeSEM``, ``FLHC``;
 - the config sections (``ExperimentConfig``, ``TrainConfig``, ``PrivacyConfig``, ...);
-- for a method of your own: ``Algorithm``, ``AlgorithmParams``, ``State``, ``register``,
-  ``ClientComputation``, ``ClientContext``, ``Request``, ``ReplyField``,
-  ``register_computation``
-  (docs/architecture.md).
+- for a method of your own (the plugin API, docs/plugins.md): ``Algorithm``,
+  ``AlgorithmParams``, ``State``, ``register``, the server's ``Context`` and its
+  ``Exchange``, ``weighted_loss``, ``weighted_average``, ``ClientComputation``,
+  ``ClientContext``, ``Request``, ``ReplyField``, ``register_computation``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "resume": ("fedcluster.api", "resume"),
     "RunResult": ("fedcluster.api", "RunResult"),
     "assign": ("fedcluster.api", "assign"),
+    "sweep": ("fedcluster.sweeps", "sweep"),
+    "SweepResult": ("fedcluster.sweeps", "SweepResult"),
     "Experiment": ("fedcluster.runner", "Experiment"),
     "Federation": ("fedcluster.data.federation", "Federation"),
     "Callback": ("fedcluster.callbacks", "Callback"),
@@ -60,6 +64,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AlgorithmParams": ("fedcluster.algorithms.base", "AlgorithmParams"),
     "State": ("fedcluster.algorithms.base", "State"),
     "register": ("fedcluster.algorithms.base", "register"),
+    "Context": ("fedcluster.algorithms.base", "Context"),
+    "Exchange": ("fedcluster.algorithms.base", "Exchange"),
+    "weighted_loss": ("fedcluster.algorithms.base", "weighted_loss"),
+    "weighted_average": ("fedcluster.engine.flat", "weighted_average"),
     "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
     "ClientContext": ("fedcluster.engine.computation", "ClientContext"),
     "Request": ("fedcluster.engine.computation", "Request"),
@@ -73,6 +81,8 @@ __all__ = [
     "resume",
     "RunResult",
     "assign",
+    "sweep",
+    "SweepResult",
     "Experiment",
     "Federation",
     "Callback",
@@ -101,6 +111,10 @@ __all__ = [
     "AlgorithmParams",
     "State",
     "register",
+    "Context",
+    "Exchange",
+    "weighted_loss",
+    "weighted_average",
     "ClientComputation",
     "ClientContext",
     "Request",
@@ -114,7 +128,9 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'fedcluster' has no attribute {name!r}")
     module, attr = _EXPORTS[name]
-    if module == "fedcluster.api" or module.startswith("fedcluster.algorithms."):
+    if module in ("fedcluster.api", "fedcluster.sweeps") or module.startswith(
+        "fedcluster.algorithms."
+    ):
         importlib.import_module("fedcluster.algorithms")  # every built-in registered
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
@@ -126,7 +142,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register
+    from fedcluster.algorithms.base import (
+        Algorithm,
+        AlgorithmParams,
+        Context,
+        Exchange,
+        State,
+        register,
+        weighted_loss,
+    )
     from fedcluster.algorithms.cfl import CFLParams as CFL
     from fedcluster.algorithms.cflgt import CFLGTParams as CFLGT
     from fedcluster.algorithms.dcfl import DCFLParams as DCFL
@@ -159,5 +183,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         Request,
         register_computation,
     )
+    from fedcluster.engine.flat import weighted_average
     from fedcluster.reporting import write_report
     from fedcluster.runner import Experiment
+    from fedcluster.sweeps import SweepResult, sweep

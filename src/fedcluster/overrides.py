@@ -8,7 +8,8 @@
   ``params`` is a parameter (:func:`expand_algorithm_key`).
 - ``--sweep algorithms.jgl.lam=0.1,0.2,0.5`` (repeatable) replaces the entry
   by one entry per combination of the swept values, each labelled with its
-  values, e.g. ``jgl(lam=0.1)``, all in the same run (:func:`apply_sweeps`).
+  values, e.g. ``jgl(lam=0.1)``, all in the same run (:func:`apply_sweeps`); a
+  sweep of any other field runs once per value (:mod:`fedcluster.sweeps`).
 - :func:`run_slug` names a run directory after what the command line changed,
   so runs of one preset with different ``--set`` do not share a name.
 """
@@ -83,14 +84,27 @@ def parse_sweep(text: str) -> tuple[str, str, list[Any]]:
     parts = key.strip().split(".")
     if not sep or len(parts) != 3 or parts[0] != "algorithms" or not values.strip():
         raise ConfigError(
-            f"--sweep {text!r}: expected algorithms.<algorithm>.<parameter>=v1,v2,... "
-            "(a sweep varies an algorithm's parameter within one run)"
+            f"--sweep {text!r}: only algorithms.<algorithm>.<parameter>=v1,v2,... sweeps "
+            "within one run; other fields run once per value (fedcluster.sweep)"
         )
-    parsed = [safeyaml.loads(v, f"--sweep {key}: value {v[:80]!r}") for v in values.split(",")]
-    return parts[1], parts[2], parsed
+    return parts[1], parts[2], parse_values(key, values)
 
 
-def _value_text(v: Any) -> str:
+def parse_values(key: str, text: str) -> list[Any]:
+    """``v1,v2,...`` of ``--sweep key=...`` parsed as YAML; commas inside brackets or
+    braces belong to a value (``[8,8],[16]`` is two values)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [safeyaml.loads(v, f"--sweep {key}: value {v[:80]!r}") for v in items]
+
+
+def value_text(v: Any) -> str:
+    """``v`` as YAML flow text (what ``--set`` and ``--sweep`` parse back to ``v``)."""
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
 
 
@@ -121,7 +135,7 @@ def apply_sweeps(raw: dict[str, Any], sweeps: list[str]) -> dict[str, Any]:
         base = entry.get("label") or entry["name"]
         for combo in itertools.product(*(v for _, v in per_entry[i])):
             values = dict(zip(params, combo, strict=True))
-            inner = ",".join(f"{p}={_value_text(v)}" for p, v in values.items())
+            inner = ",".join(f"{p}={value_text(v)}" for p, v in values.items())
             expanded.append(
                 {
                     **entry,

@@ -135,9 +135,13 @@ class Context:
     """
 
     channel: Channel
+    """Every request to clients goes through it (failures, local DP, rejection, bytes)."""
     train: LocalTraining
+    """The local-training defaults of the config's ``train`` (lr, epochs, batch size, mu, ...)."""
     seed: int
+    """The job's seed; derive randomness from it (e.g. ``random_state=ctx.seed``)."""
     init_row: torch.Tensor
+    """The initial model as a flat row [d] (CPU float32), the same for every algorithm."""
     model_choice: str = "assigned"
     """Test protocol (:mod:`fedcluster.algorithms.evaluation`): ``assigned`` or ``own_loss``."""
     aggregate: Aggregator = field(default_factory=Aggregator)
@@ -169,22 +173,27 @@ class Context:
 
     @property
     def federation(self) -> FederationView:
+        """The clients' data as the server may see it (sizes, shapes, number of classes)."""
         return self.channel.backend.federation
 
     @property
     def present(self) -> np.ndarray:
+        """Boolean mask [n_clients]: the clients of this round's federation."""
         return self.channel.present
 
     @property
     def available(self) -> np.ndarray:
+        """Boolean mask [n_clients]: present clients the server can reach this round."""
         return self.channel.available
 
     @property
     def rejected(self) -> list[int]:
+        """Ids of the clients whose replies the channel rejected so far (malformed updates)."""
         return self.channel.rejected
 
     @property
     def privacy(self) -> LocalDP | None:
+        """Local DP of the run (``privacy.mode: local``), or ``None``."""
         return self.channel.privacy
 
     def available_clients(self) -> np.ndarray:
@@ -193,7 +202,26 @@ class Context:
 
     @property
     def n_clients(self) -> int:
+        """Number of clients of the federation (client ids are ``0 .. n_clients - 1``)."""
         return self.federation.n_clients
+
+    @property
+    def n_classes(self) -> int:
+        """Number of classes: the model's output size."""
+        return self.federation.n_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input sample (without the batch dimension)."""
+        return self.federation.input_shape
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each named parameter's shape, then each float buffer's, in row order (e.g.
+        ``{"net.0.weight": (64, 784), ...}``): a layer's width is its weight's first
+        dimension; :attr:`layout` maps the names to slices of a row."""
+        layout = self.layout
+        return {s.name: s.shape for s in layout.slots + layout.buffer_slots}
 
     @property
     def layout(self) -> ParamLayout:
@@ -224,6 +252,7 @@ class Context:
 
     @property
     def train_sizes(self) -> np.ndarray:
+        """Training samples of each client [n_clients] (the weights of a FedAvg mean)."""
         return self.federation.train_sizes
 
     def fresh_rows(self, k: int, purpose: str) -> torch.Tensor:
@@ -352,15 +381,23 @@ class Algorithm(ABC):
     """Server logic of one federated algorithm."""
 
     name: ClassVar[str]
+    """The name a config gives in ``algorithms: [{name: ...}]`` (with :func:`register`)."""
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    """The pydantic class of the parameters (``self.params``); the YAML's ``params`` validate
+    against it."""
     StateType: ClassVar[type[State]] = State
+    """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
     per_client_models: ClassVar[bool] = False
     """Whether each client holds a model of its own (then tested with it whatever
     ``ctx.model_choice`` says)."""
     cluster_count: ClassVar[str | None] = None
-    """The parameter that holds the number of clusters K, which may then be ``auto``
-    (:mod:`fedcluster.algorithms.select_k`); ``None``: the algorithm has none."""
-    """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
+    """The name of the parameter that holds the number of clusters K (e.g. ``"n_clusters"``).
+    Set it, and the config may give that parameter as ``auto`` (with an optional
+    ``k_range: [lo, hi]``): before round 1 every client trains once from the initial
+    model, K is the largest mean silhouette of k-means on those updates, and the
+    algorithm is built with ``params.<cluster_count> = K``
+    (:mod:`fedcluster.algorithms.select_k`). ``None`` (the default): the algorithm has no
+    cluster count, and ``auto`` is refused naming the field."""
 
     def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
         self.params = params
