@@ -15,7 +15,7 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
   ``JGL``, ``CFLGT``, ``DCFL``, ``FedGroup``, ``FedGrouProx``, ``CFL``, ``FeSEM``, ``FLHC``;
 - the config sections (``ExperimentConfig``, ``TrainConfig``, ``PrivacyConfig``, ...);
 - for a method of your own: ``Algorithm``, ``AlgorithmParams``, ``State``, ``register``,
-  ``ClientComputation``, ``ClientContext``, ``Request``, ``ReplyField``,
+  ``ClientComputation``, ``ClientContext``, ``ClientBatch``, ``Request``, ``ReplyField``,
   ``register_computation``
   (docs/architecture.md).
 """
@@ -61,7 +61,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "State": ("fedcluster.algorithms.base", "State"),
     "register": ("fedcluster.algorithms.base", "register"),
     "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
-    "ClientContext": ("fedcluster.engine.computation", "ClientContext"),
+    "ClientContext": ("fedcluster.engine.client_side", "ClientContext"),
+    "ClientBatch": ("fedcluster.engine.client_side", "ClientBatch"),
     "Request": ("fedcluster.engine.computation", "Request"),
     "ReplyField": ("fedcluster.engine.computation", "ReplyField"),
     "register_computation": ("fedcluster.engine.computation", "register_computation"),
@@ -103,6 +104,7 @@ __all__ = [
     "register",
     "ClientComputation",
     "ClientContext",
+    "ClientBatch",
     "Request",
     "ReplyField",
     "register_computation",
@@ -152,9 +154,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         TrainConfig,
     )
     from fedcluster.data.federation import Federation
+    from fedcluster.engine.client_side import ClientBatch, ClientContext
     from fedcluster.engine.computation import (
         ClientComputation,
-        ClientContext,
         ReplyField,
         Request,
         register_computation,
