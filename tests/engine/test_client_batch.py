@@ -9,12 +9,15 @@ definitions.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
 from fedcluster.algorithms.base import init_row
+from fedcluster.dp import UploadTicket
 from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.client_side import ClientBatch, ClientRunner
 from fedcluster.engine.computation import COMPUTATIONS, Request
@@ -130,6 +133,36 @@ def test_a_computation_uses_only_the_client_runner_protocol(setup, name):
         assert sorted(strict) == sorted(real) == sorted(computation.reply)
         for field, value in real.items():
             assert torch.equal(strict[field], value), field
+
+
+@pytest.mark.parametrize("name", [n for n in _built_ins() if COMPUTATIONS[n].privacy == "release"])
+def test_a_local_dp_release_uses_only_the_client_runner_protocol(setup, name):
+    """Under client-level local DP each client releases its upload where it is, its noise
+    keyed by its id in the run: the same through a protocol-only runner."""
+    model, fed = setup
+    clients, ids = np.array([2, 0]), np.array([10, 11, 12, 13])
+    computation = COMPUTATIONS[name]
+    for request in _requests(model, fed)[name]:
+        own = [request.own_settings[c] if request.own_settings else {} for c in clients]
+        tickets = tuple(
+            {**own[j], "ticket": UploadTicket("client", 1.0, 0.5, j, 5)}
+            for j in range(len(clients))
+        )
+        private = replace(
+            request,
+            own={k: v[clients] for k, v in request.own.items()},
+            own_settings=tickets,
+            settings={"round": 2, **request.settings},
+        )
+        plain = replace(private, own_settings=tuple(own))
+        replies = [
+            computation.run(wrap(Simulator(model, fed, seed=3, client_ids=ids)), clients, r)
+            for wrap, r in ((lambda s: s, private), (StrictRunner, private), (lambda s: s, plain))
+        ]
+        released, strict, unreleased = replies
+        for field, value in released.items():
+            assert torch.equal(strict[field], value), field
+        assert any(not torch.equal(released[f], unreleased[f]) for f in released)
 
 
 def test_the_trajectory_under_fedbn_uses_only_the_protocol():
