@@ -60,8 +60,8 @@ from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
 from fedcluster.engine.batches import LocalTraining
-from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.client_side import ClientBatch
+from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.trajectory import classifier_layer, gradient_trajectories
 from fedcluster.models import dnn, mlp
 from fedcluster.rng import torch_rng

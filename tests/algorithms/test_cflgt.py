@@ -12,9 +12,9 @@ from fedcluster.algorithms.channel import Traffic
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import Split
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.simulator import Simulator
-from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.errors import ConfigError
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
