@@ -49,6 +49,39 @@ def test_the_computation_example_registers_and_answers(tmp_path):
         COMPUTATIONS.pop("label-mean", None)
 
 
+def test_the_batched_computation_example_equals_its_one_client_form():
+    """The ClientBatch form of the example replies, client by client, what its
+    ClientContext form computes."""
+    import torch
+
+    from fedcluster.algorithms.base import init_row
+    from fedcluster.engine.client_side import ClientContext
+    from fedcluster.engine.computation import Request
+    from fedcluster.engine.simulator import Simulator
+    from fedcluster.models import build_model
+    from tests.helpers import rotated_digits
+
+    block = next(b for b in _blocks() if "MODEL_LOSS = register_computation" in b)
+    namespace: dict = {}
+    exec(compile(block, str(DOC), "exec"), namespace)
+    try:
+        computation = COMPUTATIONS["model-loss"]
+        fed = rotated_digits(n_groups=2, clients_per_group=2, per_client=40)
+        model = build_model("mlp", fed.input_shape, fed.n_classes, hidden=[8])
+        sim = Simulator(model, fed, seed=0)
+        ask = Request(shared={"model": init_row(model, 0, "init")})
+        clients = np.array([3, 0, 2])
+        batched = computation.run(sim, clients, ask)["loss"]
+        assert batched.shape == (3,) and batched.dtype == torch.float32
+        for j, c in enumerate(clients):
+            one = namespace["model_loss"](ClientContext(sim, int(c)), ask.client(j))["loss"]
+            # the two evaluation routes sum the same float32 losses in other orders and
+            # blockings: a few float32 roundings apart (2^-23 each) relative to the mean
+            torch.testing.assert_close(batched[j], one, rtol=1e-5, atol=0.0)
+    finally:
+        COMPUTATIONS.pop("model-loss", None)
+
+
 def test_the_callback_example_stops_a_job(tmp_path, capsys):
     block = next(b for b in _blocks() if "class StopAtAccuracy" in b)
     definition = block.split("config = resolve_config")[0]

@@ -61,6 +61,7 @@ from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
 from fedcluster.engine.batches import LocalTraining
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.trajectory import classifier_layer, gradient_trajectories
 from fedcluster.models import dnn, mlp
@@ -102,7 +103,7 @@ class Victim:
         self.federation = Federation.from_clients(clients, clients, n_classes)
         self.sim = Simulator(model, self.federation, seed=0)
         self.row = row
-        head = classifier_layer(self.sim)
+        head = classifier_layer(self.sim.layout)
         name = next(n for n, m in model.named_modules() if m is head)
         self.weight = self.sim.layout.columns([f"{name}.weight"])
         self.n_classes = head.out_features
@@ -117,7 +118,7 @@ class Victim:
     def capture(self, client: int, setting: str) -> Capture:
         """The setting's target, from the client's release, and iDLG's label."""
         if setting == "trajectory":
-            traj = gradient_trajectories(self.sim, np.array([client]), self.row)[0]
+            traj = gradient_trajectories(ClientBatch(self.sim, np.array([client])), self.row)[0]
             return Capture(setting, traj, int(traj[:, 0].argmax()))  # only Z1'_y is non-zero
         grad = self.upload(client)
         weight = grad[self.weight].view(self.n_classes, -1)
@@ -144,7 +145,7 @@ class Victim:
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """The classifier's input ``v`` for ``x`` (what the classifier gradient scales)."""
         captured: list[torch.Tensor] = []
-        hook = classifier_layer(self.sim).register_forward_hook(
+        hook = classifier_layer(self.sim.layout).register_forward_hook(
             lambda _m, inputs, _o: captured.append(inputs[0])
         )
         try:

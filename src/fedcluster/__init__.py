@@ -19,7 +19,7 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
 - for a method of your own (the plugin API, docs/plugins.md): ``Algorithm``,
   ``AlgorithmParams``, ``State``, ``register``, the server's ``Context`` and its
   ``Exchange``, ``weighted_loss``, ``weighted_average``, ``ClientComputation``,
-  ``ClientContext``, ``Request``, ``ReplyField``, ``register_computation``.
+  ``ClientContext``, ``ClientBatch``, ``Request``, ``ReplyField``, ``register_computation``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "weighted_loss": ("fedcluster.algorithms.base", "weighted_loss"),
     "weighted_average": ("fedcluster.engine.flat", "weighted_average"),
     "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
-    "ClientContext": ("fedcluster.engine.computation", "ClientContext"),
+    "ClientContext": ("fedcluster.engine.client_side", "ClientContext"),
+    "ClientBatch": ("fedcluster.engine.client_side", "ClientBatch"),
     "Request": ("fedcluster.engine.computation", "Request"),
     "ReplyField": ("fedcluster.engine.computation", "ReplyField"),
     "register_computation": ("fedcluster.engine.computation", "register_computation"),
@@ -117,6 +118,7 @@ __all__ = [
     "weighted_average",
     "ClientComputation",
     "ClientContext",
+    "ClientBatch",
     "Request",
     "ReplyField",
     "register_computation",
@@ -176,9 +178,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         TrainConfig,
     )
     from fedcluster.data.federation import Federation
+    from fedcluster.engine.client_side import ClientBatch, ClientContext
     from fedcluster.engine.computation import (
         ClientComputation,
-        ClientContext,
         ReplyField,
         Request,
         register_computation,

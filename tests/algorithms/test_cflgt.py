@@ -12,6 +12,7 @@ from fedcluster.algorithms.channel import Traffic
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import Split
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.simulator import Simulator
 from fedcluster.engine.trajectory import gradient_trajectories
@@ -110,7 +111,7 @@ def test_trajectories_equal_per_sample_loop(model_name, normalise):
     sim = Simulator(model, fed, seed=0)
     row = sim.layout.flatten()
     clients = np.arange(fed.n_clients)
-    fast = gradient_trajectories(sim, clients, row, normalise=normalise, chunk_size=4)
+    fast = gradient_trajectories(ClientBatch(sim, clients), row, normalise, chunk_size=4)
     expected = _loop_trajectories(model, fed, normalise)
     assert fast.shape == (3, 3, 2) and fast.dtype == torch.float32
     assert torch.allclose(fast.double(), expected, rtol=1e-5, atol=1e-7)
@@ -118,7 +119,7 @@ def test_trajectories_equal_per_sample_loop(model_name, normalise):
     # exactly; client 2 has no negative samples of class 2, so that Z2 is 0 too.
     assert fast[1, 2, 0] == 0.0 and torch.all(fast[2, :2, 0] == 0.0) and fast[2, 2, 1] == 0.0
     # A subset of clients, in any order, gets the same rows.
-    subset = gradient_trajectories(sim, np.array([2, 0]), row, normalise)
+    subset = gradient_trajectories(ClientBatch(sim, np.array([2, 0])), row, normalise)
     assert torch.allclose(subset, fast[[2, 0]], rtol=1e-6, atol=1e-8)
 
 
@@ -126,7 +127,7 @@ def test_trajectory_needs_a_linear_classifier():
     model = nn.Sequential(nn.Flatten(), nn.Linear(36, 4), nn.ReLU(), nn.Bilinear(4, 4, 3))
     sim = Simulator(model, _tiny_federation(), seed=0)
     with pytest.raises(ConfigError, match="nn.Linear"):
-        gradient_trajectories(sim, np.arange(3), sim.layout.flatten())
+        gradient_trajectories(ClientBatch(sim, np.arange(3)), sim.layout.flatten())
 
 
 # ----------------------------------------------------------------- algorithm

@@ -25,9 +25,9 @@ from pydantic import Field
 
 from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
 from fedcluster.config import validate_config
+from fedcluster.engine.client_side import ClientBatch, ClientContext
 from fedcluster.engine.computation import (
     ClientComputation,
-    ClientContext,
     Payload,
     ReplyField,
     Request,
@@ -239,11 +239,11 @@ def test_the_client_context_runs_the_built_in_computations_helpers():
     rows = torch.stack([init_row(model, 3, "init", k) for k in range(2)])
     cfg, clients = LocalTraining(lr=0.1, batch_size=16), np.arange(4)
     settings = {"train": cfg, "round": 2}
-    trained = TRAIN.batched_run(sim, clients, Request(shared={"start": rows[0]}, settings=settings))
-    losses = LOSSES.batched_run(sim, clients, Request(shared={"models": rows}, settings=settings))
+    batch = ClientBatch(sim, clients)
+    trained = TRAIN.batched_run(batch, Request(shared={"start": rows[0]}, settings=settings))
+    losses = LOSSES.batched_run(batch, Request(shared={"models": rows}, settings=settings))
     evaluated = EVALUATE.batched_run(
-        sim,
-        clients,
+        batch,
         Request(shared={"models": rows}, own={"model_index": torch.zeros(4, dtype=torch.int64)}),
     )
     for c in clients:

@@ -153,9 +153,9 @@ def test_an_out_of_range_cluster_id_is_rejected(monkeypatch):
     _, ctx, alg, state = _setup(IFCA)
     run = jgl.CHOOSE_AND_TRAIN.batched_run
 
-    def broken(sim, clients, request):
-        out = run(sim, clients, request)
-        out["cluster"][clients == 0] = 7
+    def broken(batch, request):
+        out = run(batch, request)
+        out["cluster"][batch.ids == 0] = 7
         return out
 
     monkeypatch.setattr(ifca, "CHOOSE_AND_TRAIN", replace(jgl.CHOOSE_AND_TRAIN, batched_run=broken))

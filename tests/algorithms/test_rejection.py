@@ -188,8 +188,8 @@ def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
     bad: list[int] = []
     compute = cflgt_module.gradient_trajectories
 
-    def trajectories(sim, clients, row, normalise=True):
-        traj = compute(sim, clients, row, normalise)
+    def trajectories(batch, row, normalise=True):
+        traj = compute(batch, row, normalise)
         traj[bad[:1], 0, 0] = float("nan")
         traj[bad[1:], :, 1] = float("inf")
         return traj

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -98,6 +98,7 @@ from fedcluster.clustering.distances import trajectory_distance_matrix, trajecto
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
 from fedcluster.engine.client_computations import vector_release
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -108,13 +109,10 @@ from fedcluster.engine.computation import (
 from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.rng import numpy_rng
 
-if TYPE_CHECKING:
-    from fedcluster.engine.simulator import Simulator
 
-
-def _trajectory(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _trajectory(batch: ClientBatch, request: Request) -> Payload:
     row, normalise = request.shared["model"], bool(request.settings["normalise"])
-    return {"trajectory": gradient_trajectories(sim, clients, row, normalise)}
+    return {"trajectory": gradient_trajectories(batch, row, normalise)}
 
 
 def _classes(request: Request) -> tuple[int, ...]:

@@ -39,7 +39,6 @@ uploads have no update bound (it is defined for one model per client).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -55,6 +54,7 @@ from fedcluster.algorithms.mixture import (
 )
 from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import EVALUATE
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -63,9 +63,6 @@ from fedcluster.engine.computation import (
     register_computation,
 )
 from fedcluster.engine.results import EvalResult
-
-if TYPE_CHECKING:
-    from fedcluster.engine.simulator import Simulator
 
 
 def e_step(losses: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,21 +87,22 @@ def _components_shape(request: Request) -> tuple[int, ...]:
     return tuple(request.shared["components"].shape)
 
 
-def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _train(batch: ClientBatch, request: Request) -> Payload:
     s = request.settings
     components = request.shared["components"]
-    rows = torch.empty(len(clients), *components.shape)
-    weights = torch.empty(len(clients), len(components))
-    loss = torch.empty(len(clients))
+    rows = torch.empty(len(batch), *components.shape)
+    weights = torch.empty(len(batch), len(components))
+    loss = torch.empty(len(batch))
     with single_threaded():
-        for i, c in enumerate(np.asarray(clients).tolist()):
-            losses = sample_losses(sim, c, components)
+        for i in range(len(batch)):
+            client = batch.client(i)
+            losses = sample_losses(client, components)
             pi = request.own["weights"][i]
             q, weights[i] = e_step(losses, pi)
             loss[i] = mixture_nll(losses, pi)
             for m in range(len(components)):
                 rows[i, m], _ = weighted_sgd(
-                    sim, c, components[m], s["train"], s["round"], "train", sample_weight=q[:, m]
+                    client, components[m], s["train"], s["round"], "train", sample_weight=q[:, m]
                 )
     return {"components": rows, "weights": weights, "loss": loss}
 
@@ -128,19 +126,18 @@ trainings; uploads the M components (π stays on the device)."""
 
 
 @torch.no_grad()
-def _evaluate(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
-    fed = sim.federation
+def _evaluate(batch: ClientBatch, request: Request) -> Payload:
     components = request.shared["components"]
-    correct = torch.zeros(len(clients), dtype=torch.int64)
-    count = torch.zeros(len(clients), dtype=torch.int64)
-    loss_sum = torch.zeros(len(clients), dtype=torch.float64)
+    correct = torch.zeros(len(batch), dtype=torch.int64)
+    count = torch.zeros(len(batch), dtype=torch.int64)
+    loss_sum = torch.zeros(len(batch), dtype=torch.float64)
     with single_threaded():
-        for i, c in enumerate(np.asarray(clients).tolist()):
-            part = fed.client_slice(c, "test")
-            x, y = fed.x_test[part], fed.y_test[part].cpu()
-            prob = torch.zeros(len(y), fed.n_classes, dtype=torch.float64)
+        for i in range(len(batch)):
+            data = batch.client(i).data
+            x, y = data.x_test, data.y_test.cpu()
+            prob = torch.zeros(len(y), data.n_classes, dtype=torch.float64)
             for m, pi in enumerate(request.own["weights"][i].tolist()):
-                logits = sim.layout.forward(components[m].to(x.device), x)
+                logits = batch.layout.forward(components[m].to(x.device), x)
                 prob += pi * F.softmax(logits.double(), dim=1).cpu()
             correct[i] = int((prob.argmax(dim=1) == y).sum())
             count[i] = len(y)

@@ -40,7 +40,6 @@ Local DP, momentum and FedProx's μ are refused
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -56,6 +55,7 @@ from fedcluster.algorithms.mixture import (
 )
 from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import n_models
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -63,9 +63,6 @@ from fedcluster.engine.computation import (
     Request,
     register_computation,
 )
-
-if TYPE_CHECKING:
-    from fedcluster.engine.simulator import Simulator
 
 
 def importance_weights(losses: torch.Tensor, smoother: float) -> torch.Tensor:
@@ -82,21 +79,21 @@ def _local_dim(request: Request) -> tuple[int, ...]:
     return (request.own["start"].shape[-1],)
 
 
-def _train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _train(batch: ClientBatch, request: Request) -> Payload:
     s = request.settings
     clusters = request.shared["models"]
-    rows = torch.empty(len(clients), clusters.shape[1])
-    importance = torch.empty(len(clients), len(clusters))
-    loss = torch.empty(len(clients))
+    rows = torch.empty(len(batch), clusters.shape[1])
+    importance = torch.empty(len(batch), len(clusters))
+    loss = torch.empty(len(batch))
     lam = float(s["lam"])
     with single_threaded():
-        for i, c in enumerate(np.asarray(clients).tolist()):
-            u = importance_weights(sample_losses(sim, c, clusters), float(s["smoother"]))
+        for i in range(len(batch)):
+            client = batch.client(i)
+            u = importance_weights(sample_losses(client, clusters), float(s["smoother"]))
             importance[i] = u
             anchor = (u.float() @ clusters) / float(u.sum())
             rows[i], loss[i] = weighted_sgd(
-                sim,
-                c,
+                client,
                 request.own["start"][i],
                 s["train"],
                 s["round"],

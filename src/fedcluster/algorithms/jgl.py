@@ -53,7 +53,7 @@ simulator computes without forming the K gradients of d floats per device
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -76,6 +76,7 @@ from fedcluster.engine.client_computations import (
     n_models,
     release_trained,
 )
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.computation import (
     ClientComputation,
     Payload,
@@ -84,9 +85,6 @@ from fedcluster.engine.computation import (
     register_computation,
 )
 from fedcluster.rng import numpy_rng
-
-if TYPE_CHECKING:
-    from fedcluster.engine.simulator import Simulator
 
 
 class JGLParams(ClusterModelParams):
@@ -177,10 +175,9 @@ def fix_empty_clusters(choice: np.ndarray, n_clusters: int, rng: np.random.Gener
     return choice
 
 
-def _gradient_products(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _gradient_products(batch: ClientBatch, request: Request) -> Payload:
     s = request.settings
-    loss, sq, dot = sim.losses_and_gradient_products(
-        clients,
+    loss, sq, dot = batch.losses_and_gradient_products(
         request.shared["models"],
         request.shared["directions"],
         s["train"],
@@ -225,21 +222,20 @@ def pin_empty_clusters(last: np.ndarray, n_clusters: int, rng: np.random.Generat
     return pins
 
 
-def _choose_and_train(sim: Simulator, clients: np.ndarray, request: Request) -> Payload:
+def _choose_and_train(batch: ClientBatch, request: Request) -> Payload:
     """Each client's eq. 4 (``rule: jgl``) or IFCA (``rule: loss``) choice among the K
     received models, then local training of the chosen (or allocated) one."""
     s = request.settings
     models = request.shared["models"]
     if s["rule"] == "jgl":
-        products = GRADIENT_PRODUCTS.batched_run(sim, clients, request)
-        sizes = sim.federation.train_sizes[clients]
+        products = GRADIENT_PRODUCTS.batched_run(batch, request)
         loss, scores = eq4_scores(
-            products, request.shared["directions"], sizes, s["train"].batch_size, s
+            products, request.shared["directions"], batch.train_sizes, s["train"].batch_size, s
         )
     else:
-        loss = LOSSES.batched_run(sim, clients, request)["losses"]
+        loss = LOSSES.batched_run(batch, request)["losses"]
         scores = -loss
-    ids = sim.client_ids[clients]
+    ids = batch.ids
     choice = np.array(
         [
             argmax_random_ties(scores[i : i + 1], numpy_rng(s["tie_seed"], "device", int(c)))[0]
@@ -248,12 +244,12 @@ def _choose_and_train(sim: Simulator, clients: np.ndarray, request: Request) -> 
         dtype=np.int64,
     ).reshape(-1)
     differs = choice != loss.argmin(dim=1).numpy()
-    pins = np.array([request.settings_of(i).get("pin", -1) for i in range(len(clients))])
+    pins = np.array([request.settings_of(i).get("pin", -1) for i in range(len(batch))])
     choice = np.where(pins >= 0, pins, choice).astype(np.int64)
     start = models[torch.as_tensor(choice)]
     training = Request(own={"start": start}, settings={"train": s["train"], "round": s["round"]})
     assert TRAIN.batched_run is not None
-    trained = TRAIN.batched_run(sim, clients, training)
+    trained = TRAIN.batched_run(batch, training)
     return {
         **trained,
         "cluster": torch.as_tensor(choice, dtype=torch.int32),

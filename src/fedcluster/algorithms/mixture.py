@@ -5,7 +5,8 @@ Used by FedEM (:mod:`fedcluster.algorithms.fedem`: the E-step's per-sample
 likelihoods, each component trained with the responsibility-weighted loss) and
 FedSoft (:mod:`fedcluster.algorithms.fedsoft`: which cluster model fits each
 sample best, the proximal term toward the mixture of cluster models). Both run
-client by client with autograd through the flat parameter layout
+client by client (its :class:`~fedcluster.engine.client_side.ClientContext`) with
+autograd through the flat parameter layout
 (:class:`~fedcluster.engine.flat.ParamLayout`), so any model works and a
 Flower node computes exactly what the simulator does (:func:`single_threaded`: a
 product's float32 sums do not depend on how many threads split it). Plain SGD only: the
@@ -26,7 +27,7 @@ from fedcluster.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedcluster.algorithms.base import Context
-    from fedcluster.engine.simulator import Simulator
+    from fedcluster.engine.client_side import ClientContext
 
 
 def check_plain_sgd(ctx: Context, name: str) -> None:
@@ -50,22 +51,20 @@ def single_threaded() -> Iterator[None]:
 
 
 @torch.no_grad()
-def sample_losses(sim: Simulator, client: int, models: torch.Tensor) -> torch.Tensor:
+def sample_losses(client: ClientContext, models: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each of K ``models`` [K, d] on each of the client's training
     samples, in stored order: [n, K] (float64)."""
-    fed = sim.federation
-    part = fed.client_slice(client, "train")
-    x, y = fed.x_train[part], fed.y_train[part]
+    data = client.data
+    x, y = data.x_train, data.y_train
     out = torch.empty(len(y), len(models), dtype=torch.float64)
     for k, row in enumerate(models):
-        logits = sim.layout.forward(row.to(x.device), x)
+        logits = client.forward(row.to(x.device), x)
         out[:, k] = F.cross_entropy(logits, y, reduction="none").double().cpu()
     return out
 
 
 def weighted_sgd(
-    sim: Simulator,
-    client: int,
+    client: ClientContext,
     start: torch.Tensor,
     cfg: LocalTraining,
     rnd: int,
@@ -80,10 +79,9 @@ def weighted_sgd(
     samples in stored order; default 1: the mean loss), plus (μ/2)‖w − anchor‖².
     Returns the trained row and the mean batch loss (NaN without batches).
     """
-    fed = sim.federation
-    offset = int(fed.train_offsets[client])
-    (plan,) = sim.plans([client], cfg, rnd, purpose)
-    device = fed.x_train.device  # train where the data is (engine.device)
+    data = client.data
+    plan = client.plan(cfg, rnd, purpose)
+    device = data.x_train.device  # train where the data is (engine.device)
     w = start.to(device, copy=True)
     anchor = None if anchor is None else anchor.to(device)
     if sample_weight is not None:
@@ -91,12 +89,12 @@ def weighted_sgd(
     total = 0.0
     for idx in plan:
         leaf = w.clone().requires_grad_(True)
-        x, y = fed.x_train[idx], fed.y_train[idx]
-        losses = F.cross_entropy(sim.layout.forward(leaf, x), y, reduction="none")
+        x, y = data.x_train[idx], data.y_train[idx]
+        losses = F.cross_entropy(client.forward(leaf, x), y, reduction="none")
         if sample_weight is None:
             loss = losses.mean()
         else:
-            loss = (losses * sample_weight[idx - offset].to(losses.dtype)).sum() / len(idx)
+            loss = (losses * sample_weight[idx].to(losses.dtype)).sum() / len(idx)
         (grad,) = torch.autograd.grad(loss, leaf)
         if mu > 0.0 and anchor is not None:
             grad = grad + mu * (w - anchor)

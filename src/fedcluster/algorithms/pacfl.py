@@ -53,9 +53,9 @@ from fedcluster.algorithms.base import AlgorithmParams, State, log, register
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotState
 from fedcluster.clustering.methods import Linkage, hierarchical
 from fedcluster.engine.client_computations import vector_release
+from fedcluster.engine.client_side import ClientContext
 from fedcluster.engine.computation import (
     ClientComputation,
-    ClientData,
     Payload,
     ReplyField,
     Request,
@@ -124,7 +124,7 @@ def proximity_matrix(
     return (angles * used).sum(dim=-1).numpy()
 
 
-def _subspace(client: ClientData, request: Request) -> Payload:
+def _subspace(client: ClientContext, request: Request) -> Payload:
     s = request.settings
     n_classes = int(s["n_classes"]) if s["per_class"] else None
     return {"basis": data_subspace(client.x_train, client.y_train, int(s["n_basis"]), n_classes)}

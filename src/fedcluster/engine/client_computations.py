@@ -1,11 +1,10 @@
 """The client computations several algorithms share: train, the K-model losses, evaluate.
 
 Each is a :class:`~fedcluster.engine.computation.ClientComputation` whose
-batched form uses only the public surface of the runner
-(:class:`~fedcluster.engine.computation.ClientRunner`: ``train``, ``evaluate_models``,
-``evaluate``, ``losses_and_grads``, the helpers a
-:class:`~fedcluster.engine.computation.ClientContext` offers one client): the
-simulator's kernels for many clients at once, a Flower node's one-client
+batched form uses only its :class:`~fedcluster.engine.client_side.ClientBatch`
+(``train``, ``evaluate_models``, ``evaluate``, ``losses_and_grads``: the helpers a
+:class:`~fedcluster.engine.client_side.ClientContext` offers one client, for many):
+the simulator's kernels for many clients at once, a Flower node's one-client
 simulator for its client. Algorithm-specific computations live with
 their algorithm (JGL's gradient products in :mod:`fedcluster.algorithms.jgl`,
 CFLGT's trajectory in :mod:`fedcluster.algorithms.cflgt`).
@@ -21,9 +20,9 @@ import numpy as np
 import torch
 
 from fedcluster.dp import release_uploads, release_vectors
+from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.computation import (
     ClientComputation,
-    ClientRunner,
     Payload,
     Release,
     ReplyField,
@@ -38,11 +37,10 @@ def _model_dim(request: Request) -> tuple[int, ...]:
     return (start.shape[-1],)
 
 
-def _train(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
+def _train(batch: ClientBatch, request: Request) -> Payload:
     s = request.settings
     start = request.own["start"] if "start" in request.own else request.shared["start"]
-    result = sim.train(
-        clients,
+    result = batch.train(
         start,
         s["train"],
         s["round"],
@@ -110,14 +108,14 @@ def n_models(request: Request) -> tuple[int, ...]:
     return (request.shared["models"].shape[0],)
 
 
-def _losses(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
+def _losses(batch: ClientBatch, request: Request) -> Payload:
     s = request.settings
     models = request.shared["models"]
     if s.get("batches", "one") == "all":  # IFCA's full-data choice: all K in one pass
-        _, count, loss_sum = sim.evaluate_models(clients, models, split="train")
+        _, count, loss_sum = batch.evaluate_models(models, split="train")
         return {"losses": torch.as_tensor(loss_sum / np.maximum(count, 1)[:, None]).float()}
-    losses, _ = sim.losses_and_grads(
-        clients, models, s["train"], s["round"], s.get("purpose", "decide"), with_grads=False
+    losses, _ = batch.losses_and_grads(
+        models, s["train"], s["round"], s.get("purpose", "decide"), with_grads=False
     )
     return {"losses": losses}
 
@@ -141,10 +139,10 @@ LOSSES = register_computation(
 data (``batches: all``: on all of it): IFCA's cluster identity estimate."""
 
 
-def _evaluate(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
+def _evaluate(batch: ClientBatch, request: Request) -> Payload:
     models = request.shared["models"] if "models" in request.shared else request.own["model"]
     index = request.own["model_index"] if "models" in request.shared else torch.arange(len(models))
-    result = sim.evaluate(clients, models, index.numpy(), request.settings.get("split", "test"))
+    result = batch.evaluate(models, index.numpy(), request.settings.get("split", "test"))
     return {
         "correct": torch.as_tensor(result.correct),
         "count": torch.as_tensor(result.count),
@@ -191,9 +189,9 @@ EVALUATE = register_computation(
 (``models`` shared with one index per client: a client receives only its model)."""
 
 
-def _evaluate_models(sim: ClientRunner, clients: np.ndarray, request: Request) -> Payload:
-    correct, count, loss_sum = sim.evaluate_models(
-        clients, request.shared["models"], request.settings.get("split", "test")
+def _evaluate_models(batch: ClientBatch, request: Request) -> Payload:
+    correct, count, loss_sum = batch.evaluate_models(
+        request.shared["models"], request.settings.get("split", "test")
     )
     return {
         "correct": torch.as_tensor(correct),

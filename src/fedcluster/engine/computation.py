@@ -9,11 +9,12 @@ client computes, whoever runs it:
   client (``shared``, e.g. K cluster models), tensors of each client
   (``own``, e.g. its start row), and plain settings (round, purpose, the
   local-training hyperparameters) that travel as a Flower ``ConfigRecord``;
-- what **one client computes** (``run_one_client``, given the client's
-  :class:`ClientContext`: its data, the model, the training and evaluation
-  helpers), and
-  optionally the same for many clients at once (``batched_run``, what the
-  simulator uses; a Flower node runs it on its one client);
+- what **one client computes** (``run_one_client(client, request)``, given the
+  client's :class:`~fedcluster.engine.client_side.ClientContext`: its data, the
+  model, the training and evaluation helpers), and optionally the same for many
+  clients at once (``batched_run(batch, request)``, given their
+  :class:`~fedcluster.engine.client_side.ClientBatch`: the same helpers,
+  vectorised; what the simulator uses; a Flower node runs it on its one client);
 - the **reply** it sends back (``reply``: each field's shape per client, and
   whether it is part of the algorithm's upload and so counted in
   ``bytes_up``), so sizes are measured from the payload, not hand-computed;
@@ -32,20 +33,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from copy import deepcopy
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch import nn
 
-from fedcluster.rng import torch_rng
-
-if TYPE_CHECKING:
-    from fedcluster.engine.batches import LocalTraining
-    from fedcluster.engine.flat import ParamLayout
-    from fedcluster.engine.results import EvalResult, TrainResult
+from fedcluster.engine.client_side import ClientBatch, ClientContext, ClientRunner
 
 Payload = dict[str, torch.Tensor]
 Settings = dict[str, Any]
@@ -168,188 +162,7 @@ class ReplyField:
         return n * torch.empty(0, dtype=self.dtype).element_size()
 
 
-@dataclass(frozen=True)
-class ClientData:
-    """One client's own data, as ``run_one_client`` sees it (on a node: all it has)."""
-
-    client: int
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    n_classes: int
-    seed: int
-
-
-class ClientRunner(Protocol):
-    """What runs a computation: the simulator over the federation, or a Flower node's
-    one-client simulator (:func:`fedcluster.flower.nodedata.node_simulator`). Positions
-    ``i`` index its federation; ``client_ids[i]`` is the client's id in the run."""
-
-    seed: int
-    client_ids: np.ndarray
-    layout: ParamLayout
-
-    def client_data(self, i: int) -> ClientData: ...
-
-    def train(
-        self,
-        clients: np.ndarray,
-        start: torch.Tensor,
-        cfg: LocalTraining,
-        rnd: int,
-        purpose: str = "train",
-        classifier_only: bool = False,
-    ) -> TrainResult: ...
-
-    def evaluate(
-        self,
-        clients: np.ndarray,
-        rows: torch.Tensor,
-        model_of_client: np.ndarray,
-        split: str = "test",
-    ) -> EvalResult: ...
-
-    def evaluate_models(
-        self, clients: np.ndarray, rows: torch.Tensor, split: str = "test"
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
-
-    def losses_and_grads(
-        self,
-        clients: np.ndarray,
-        models: torch.Tensor,
-        cfg: LocalTraining,
-        rnd: int,
-        purpose: str = "decide",
-        with_grads: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-
-@dataclass(frozen=True)
-class ClientContext:
-    """What a client computation's ``run_one_client`` sees of its client.
-
-    The same on every backend (the simulator, a Flower node), so a computation
-    written against it runs on both unchanged:
-
-    - the client's own data: :attr:`data` (and its fields ``x_train``, ``y_train``,
-      ``x_test``, ``y_test``, ``n_classes``), its id :attr:`client` and the run's
-      :attr:`seed`;
-    - the model as a functional module: :attr:`model` (the template ``nn.Module``;
-      its own parameters are not the run's), :attr:`layout` (a model is a flat
-      row of ``dim`` floats), :meth:`forward` (the model of a row on inputs) and
-      :meth:`module` (a copy holding a row, for code that wants an ``nn.Module``);
-    - the helpers the built-in computations use, with the run's loss, batch
-      plans and random streams derived from (seed, purpose, round, client):
-      :meth:`train` (local SGD, DP-SGD under record-level DP), :meth:`evaluate`,
-      :meth:`losses` and :meth:`losses_and_grads` (one mini-batch per decision,
-      as IFCA and JGL take it), :meth:`generator` (a derived random stream).
-    """
-
-    runner: ClientRunner
-    position: int
-    """The client's position in the runner's federation (a Flower node: 0)."""
-
-    @property
-    def data(self) -> ClientData:
-        return self.runner.client_data(self.position)
-
-    @property
-    def client(self) -> int:
-        """The client's id in the run (names it in every random stream)."""
-        return int(self.runner.client_ids[self.position])
-
-    @property
-    def seed(self) -> int:
-        return self.runner.seed
-
-    @property
-    def x_train(self) -> torch.Tensor:
-        return self.data.x_train
-
-    @property
-    def y_train(self) -> torch.Tensor:
-        return self.data.y_train
-
-    @property
-    def x_test(self) -> torch.Tensor:
-        return self.data.x_test
-
-    @property
-    def y_test(self) -> torch.Tensor:
-        return self.data.y_test
-
-    @property
-    def n_classes(self) -> int:
-        return self.data.n_classes
-
-    @property
-    def layout(self) -> ParamLayout:
-        return self.runner.layout
-
-    @property
-    def model(self) -> nn.Module:
-        return self.runner.layout.module
-
-    @property
-    def dim(self) -> int:
-        return self.runner.layout.dim
-
-    def forward(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The outputs of the model with parameters ``row`` [d] on inputs ``x``."""
-        return self.layout.forward(row, x)
-
-    def module(self, row: torch.Tensor) -> nn.Module:
-        """A copy of the model holding ``row`` (a plain ``nn.Module`` to use as you like)."""
-        copy = deepcopy(self.model)
-        self.layout.load_into(copy, row)
-        return copy
-
-    def train(
-        self,
-        start: torch.Tensor,
-        cfg: LocalTraining,
-        rnd: int,
-        purpose: str = "train",
-        classifier_only: bool = False,
-    ) -> tuple[torch.Tensor, float, int]:
-        """Local training from ``start`` [d] (the TRAIN computation's): the trained row [d],
-        mean batch loss, steps; ``classifier_only`` trains the last layer (fine-tuning)."""
-        start = start.reshape(1, -1)
-        result = self.runner.train(self._me, start, cfg, rnd, purpose, classifier_only)
-        return result.rows[0], float(result.loss[0]), int(result.steps[0])
-
-    def evaluate(self, row: torch.Tensor, split: str = "test") -> tuple[int, int, float]:
-        """Correct predictions, sample count and summed loss of ``row`` on a split."""
-        res = self.runner.evaluate(self._me, row.reshape(1, -1), np.zeros(1, np.int64), split)
-        return int(res.correct[0]), int(res.count[0]), float(res.loss_sum[0])
-
-    def losses(
-        self, rows: torch.Tensor, cfg: LocalTraining, rnd: int, purpose: str = "decide"
-    ) -> torch.Tensor:
-        """The loss [K] of each of K models ``rows`` [K, d] on one mini-batch of the plan."""
-        losses, _ = self.runner.losses_and_grads(self._me, rows, cfg, rnd, purpose, False)
-        return losses[0]
-
-    def losses_and_grads(
-        self, rows: torch.Tensor, cfg: LocalTraining, rnd: int, purpose: str = "decide"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss [K] and gradient [K, d] of each model ``rows`` [K, d] on one mini-batch."""
-        losses, grads = self.runner.losses_and_grads(self._me, rows, cfg, rnd, purpose, True)
-        assert grads is not None
-        return losses[0], grads[0]
-
-    def generator(self, purpose: str, rnd: int) -> torch.Generator:
-        """A torch generator derived from (seed, ``purpose``, ``rnd``, client): the same
-        numbers on every backend and on resume."""
-        return torch_rng(self.seed, purpose, rnd, self.client)
-
-    @property
-    def _me(self) -> np.ndarray:
-        return np.array([self.position], dtype=np.int64)
-
-
-BatchedRun = Callable[[Any, np.ndarray, Request], Payload]
+BatchedRun = Callable[[ClientBatch, Request], Payload]
 OneClientRun = Callable[[ClientContext, Request], Payload]
 Release = Callable[[Request, Payload, np.ndarray, int], Payload]
 """Local DP of an upload, run where the client is: ``(request, reply, global client
@@ -402,19 +215,18 @@ class ClientComputation:
         When the request carries release rules (``ticket`` in its own settings),
         the upload is privatised (or withheld) here, before it leaves the client.
         """
-        clients = np.asarray(clients, dtype=np.int64)
+        batch = ClientBatch(runner, clients)
         if self.batched_run is not None:
-            reply = self.batched_run(runner, clients, request)
+            reply = self.batched_run(batch, request)
         else:
             assert self.run_one_client is not None
             replies = [
-                self.run_one_client(ClientContext(runner, int(c)), request.client(i))
-                for i, c in enumerate(clients)
+                self.run_one_client(batch.client(j), request.client(j)) for j in range(len(batch))
             ]
             reply = {k: torch.stack([torch.as_tensor(r[k]) for r in replies]) for k in self.reply}
         own = request.own_settings
         if self.release is not None and own and "ticket" in own[0]:
-            reply = self.release(request, reply, runner.client_ids[clients], runner.seed)
+            reply = self.release(request, reply, batch.ids, batch.seed)
         return reply
 
     def start_rows(self, request: Request, fields: Payload, positions: np.ndarray) -> torch.Tensor:

@@ -46,8 +46,9 @@ from fedcluster.data.federation import Federation
 from fedcluster.data.screen import clients_with
 from fedcluster.dp import gaussian_noise, noisy_clipped_sum, per_sample_gradients
 from fedcluster.engine.batches import LocalTraining, augmenter, batch_plan
+from fedcluster.engine.client_side import ClientData
 from fedcluster.engine.clock import ClientClock
-from fedcluster.engine.computation import ClientComputation, ClientData, Request, Returned
+from fedcluster.engine.computation import ClientComputation, Request, Returned
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.hugepages import RowBlocks
@@ -205,6 +206,11 @@ class Simulator(ClientClock):
             n_classes=fed.n_classes,
             seed=self.seed,
         )
+
+    @property
+    def train_sizes(self) -> np.ndarray:
+        """Each client's number of training samples."""
+        return self.federation.train_sizes
 
     @property
     def keeps_own_layers(self) -> bool:

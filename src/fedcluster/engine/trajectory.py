@@ -21,29 +21,27 @@ as far from the origin, and affinity propagation splits clients by data size
 instead of by distribution.
 
 All requested clients share one model row, so their samples are processed in
-one batched forward pass (in chunks of ``chunk_size`` samples) and summed per
+one batched forward pass (in chunks of ``chunk_size`` samples,
+:meth:`~fedcluster.engine.client_side.ClientBatch.train_chunks`) and summed per
 client with ``index_add_``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
 import torch
 from torch import nn
 
+from fedcluster.engine.client_side import ClientBatch
+from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedcluster.engine.simulator import Simulator
 
-
-def classifier_layer(sim: Simulator) -> nn.Linear:
-    """The classifier: the ``nn.Linear`` owning :meth:`ParamLayout.classifier_range`."""
-    start = sim.layout.classifier_range().start
-    name = next(s.name for s in sim.layout.slots if s.start == start)
-    module = sim.model.get_submodule(name.rpartition(".")[0])
+def classifier_layer(layout: ParamLayout) -> nn.Linear:
+    """The classifier: the ``nn.Linear`` of the layout's model owning
+    :meth:`ParamLayout.classifier_range`."""
+    start = layout.classifier_range().start
+    name = next(s.name for s in layout.slots if s.start == start)
+    module = layout.module.get_submodule(name.rpartition(".")[0])
     if not isinstance(module, nn.Linear):
         raise ConfigError(
             f"model: CFLGT needs the last layer with parameters to be nn.Linear (the classifier), "
@@ -52,25 +50,15 @@ def classifier_layer(sim: Simulator) -> nn.Linear:
     return module
 
 
-def _sample_rows(offsets: np.ndarray, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global row indices of the clients' training samples and the position of each row's owner."""
-    counts = offsets[clients + 1] - offsets[clients]
-    total = int(counts.sum())
-    first_of_owner = np.repeat(np.cumsum(counts) - counts, counts)
-    rows = np.repeat(offsets[clients], counts) + np.arange(total) - first_of_owner
-    owner = np.repeat(np.arange(len(clients)), counts)
-    return torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(owner, dtype=torch.int64)
-
-
 @torch.no_grad()
 def gradient_trajectories(
-    sim: Simulator,
-    clients: np.ndarray,
+    batch: ClientBatch,
     row: torch.Tensor,
     normalise: bool = True,
     chunk_size: int = 8192,
 ) -> torch.Tensor:
-    """Each client's gradient trajectory [n, C, 2] under the model ``row`` (eqs. 6-8).
+    """Each of the batch's clients' gradient trajectory [n, C, 2] under the model ``row``
+    (eqs. 6-8).
 
     ``[..., 0]`` is the averaged pulling force Z1'_c, ``[..., 1]`` the averaged
     pushing force Z2'_c, computed on the client's whole training set with a
@@ -79,35 +67,29 @@ def gradient_trajectories(
     Accumulated in float64 on the CPU (the model row moved once to the data's
     device for the forward passes), returned as float32 (what is uploaded).
     """
-    clients = np.asarray(clients, dtype=np.int64)
-    fed = sim.federation
-    head = classifier_layer(sim)
+    head = classifier_layer(batch.layout)
     n_classes = head.out_features
-    out = torch.zeros(len(clients), n_classes, 2, dtype=torch.float64)
-    if sim.keeps_own_layers:  # FedBN: each client with its own BatchNorm layers
-        units = [(sim.personal(row, c).to(sim.device), [i]) for i, c in enumerate(clients)]
+    out = torch.zeros(len(batch), n_classes, 2, dtype=torch.float64)
+    if batch.keeps_own_layers:  # FedBN: each client with its own BatchNorm layers
+        units = [(batch.personal(row, j).to(batch.device), [j]) for j in range(len(batch))]
     else:
-        units = [(row.to(sim.device), list(range(len(clients))))]
+        units = [(row.to(batch.device), list(range(len(batch))))]
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
     try:
-        with sim.timed():
-            for model, members in units:
-                rows, owner = _sample_rows(fed.train_offsets, clients[members])
-                owner = torch.as_tensor(members)[owner]
-                for s in range(0, len(rows), chunk_size):
-                    part = rows[s : s + chunk_size]
-                    captured.clear()
-                    prob = sim.layout.forward(model, fed.x_train[part]).double().softmax(dim=1)
-                    feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
-                    own = nn.functional.one_hot(fed.y_train[part], n_classes).to(torch.float64)
-                    pull = own * (1.0 - prob) * feature_mean
-                    push = (1.0 - own) * prob * feature_mean
-                    forces = torch.stack([pull, push], dim=2).to(out.device)
-                    out.index_add_(0, owner[s : s + chunk_size], forces)
+        for model, members in units:
+            for x, y, owner in batch.train_chunks(members, chunk_size):
+                captured.clear()
+                prob = batch.layout.forward(model, x).double().softmax(dim=1)
+                feature_mean = captured[-1].flatten(1).double().mean(dim=1, keepdim=True)
+                own = nn.functional.one_hot(y, n_classes).to(torch.float64)
+                pull = own * (1.0 - prob) * feature_mean
+                push = (1.0 - own) * prob * feature_mean
+                forces = torch.stack([pull, push], dim=2).to(out.device)
+                out.index_add_(0, owner, forces)
     finally:
         hook.remove()
     if normalise:
-        counts = torch.as_tensor(fed.train_sizes[clients], dtype=torch.float64)
+        counts = torch.as_tensor(batch.train_sizes, dtype=torch.float64)
         out /= counts.clamp(min=1.0).view(-1, 1, 1)
     return out.to(torch.float32)

@@ -177,8 +177,9 @@ def _setup(msg: Message, context: Context) -> Message:
 def _compute(msg: Message, context: Context) -> Message:
     """Run the registered computation the message names on each client it names.
 
-    The node runs exactly the function the simulator runs (its batched form
-    on each client's one-client federation), so both compute the same numbers;
+    The node runs exactly the function the simulator runs (its batched form,
+    given a :class:`~fedcluster.engine.client_side.ClientBatch` of the client's
+    one-client federation), so both compute the same numbers;
     under local DP the upload is released here, before it leaves the node. A
     client that fails (e.g. its data file is corrupt) answers with its error;
     the message's other clients are unaffected.
