@@ -304,8 +304,9 @@ class DeploymentConfig(_Strict):
 
     The defaults survive a fleet's everyday losses: each request waits
     ``timeout_factor`` × the slowest round trip measured so far, at least
-    ``timeout_floor`` seconds (``round_timeout`` fixes it instead), and the run
-    goes on while at least ``min_replies`` of the clients reply.
+    ``timeout_floor`` and at most ``timeout_ceiling`` seconds (``round_timeout``
+    fixes it instead), and the run goes on while at least ``min_replies`` of the
+    clients reply.
     """
 
     round_timeout: float | None = Field(
@@ -320,12 +321,27 @@ class DeploymentConfig(_Strict):
     timeout_factor: float = Field(
         3.0, ge=1.0, description="the measured timeout: this x the slowest round trip so far"
     )
+    timeout_ceiling: float = Field(
+        600.0,
+        gt=0.0,
+        description="the measured timeout's greatest value (seconds): a node answering ever "
+        "slower cannot stretch it further, and is lost when it passes it",
+    )
     min_replies: float = Field(
         0.5,
         gt=0.0,
         le=1.0,
         description="fraction of the clients asked that must reply, else the run stops",
     )
+
+    @model_validator(mode="after")
+    def _ceiling_above_floor(self) -> DeploymentConfig:
+        if self.timeout_ceiling < self.timeout_floor:
+            raise ValueError(
+                f"timeout_ceiling ({self.timeout_ceiling:g} s) is below timeout_floor "
+                f"({self.timeout_floor:g} s)"
+            )
+        return self
 
 
 class EvaluationConfig(_Strict):
