@@ -30,9 +30,10 @@ def _refused(path: Path, exc: OSError) -> FedclusterError:
 
 
 def open_fd(path: Path, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` of ``path`` that refuses a symlink or a non-regular file."""
+    """``os.open`` of ``path`` that refuses a symlink or a non-regular file; a FIFO is
+    opened without blocking (``O_NONBLOCK``, which a regular file ignores) and refused."""
     try:
-        fd = os.open(path, flags | _NOFOLLOW, mode)
+        fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             raise _refused(path, exc) from None
