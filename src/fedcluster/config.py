@@ -85,6 +85,12 @@ class ModelConfig(_Strict):
     name: str = Field("mlp", description="a preset model or 'package.module:factory'")
     options: dict[str, Any] = Field(default_factory=dict)
     given: str | None = Field(None, description=GIVEN_HELP)
+    init: Literal["keep", "reset"] = Field(
+        "keep",
+        description="a model passed from Python as an nn.Module: keep starts every job from its "
+        "weights (a pretrained model stays pretrained), reset re-initialises it from the seed; "
+        "a model the config builds is always initialised from the seed",
+    )
     buffers: Literal["federated", "local"] = Field(
         "federated",
         description="federated: float buffers (BatchNorm statistics) are averaged with the "

@@ -51,7 +51,7 @@ from fedcluster.engine.robust import Aggregator
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.metrics import accuracy_columns, cluster_columns, honest_accuracy
-from fedcluster.models import build_model, check_rows_fit
+from fedcluster.models import build_model, check_rows_fit, kept_row, refuse_frozen
 from fedcluster.plugins import import_object
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.rebuild import check_rebuildable, record_given
@@ -183,6 +183,9 @@ class Experiment:
         # config.yaml: how to rebuild the model, the data and the loss
         self.config = record_given(config, model, federation, loss)
         self._model = model
+        if model is not None:
+            refuse_frozen(model, "model")
+        self._kept = kept_row(model, config.model.init)
         self._federation = federation
         self.callbacks = list(callbacks)
         if loss is not None and backend_factory is not None:
@@ -215,6 +218,7 @@ class Experiment:
         if self._model is not None:
             return self._model
         model = model_for(self.config, federation)
+        refuse_frozen(model, f"model.name {self.config.model.name!r}")
         check_rows_fit(self.config.model.name, model, rows=federation.n_clients + 1)
         return model
 
@@ -272,7 +276,8 @@ class Experiment:
         cfg = self.config
         model = self.model(federation)
         scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
-        return (federation, model, init_row(model, seed, "init")), scenario
+        start = init_row(model, seed, "init") if self._kept is None else self._kept.clone()
+        return (federation, model, start), scenario
 
 
 class BackendFactory(Protocol):
