@@ -11,7 +11,7 @@ import fedcluster
 from fedcluster.algorithms.base import init_row
 from fedcluster.config import validate_config
 from fedcluster.engine.flat import ParamLayout
-from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.errors import ConfigError, DataError, FedclusterError
 from fedcluster.runner import Experiment
 from tests.helpers import rotated_digits
 
@@ -122,3 +122,42 @@ def test_a_model_giving_nan_leaves_empty_cells_and_names_each_client(tmp_path):
     evaluated = {e["client"] for e in events if e["detail"].startswith("evaluat")}
     assert evaluated == {"0", "1", "2", "3"}
     assert all("non-finite" in e["detail"] for e in events if e["kind"] == "rejected")
+
+
+def _given(**change):
+    from dataclasses import replace
+
+    return replace(rotated_digits(n_groups=1, clients_per_group=4, per_client=20), **change)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"n_classes": 0}, "n_classes is 0, not in 1..100000"),
+        ({"n_classes": 10**7}, "n_classes is 10000000, not in 1..100000"),
+        ("float labels", "train labels are torch.float32, not integers"),
+    ],
+)
+def test_a_python_federation_is_checked_like_a_file(change, named):
+    if change == "float labels":
+        federation = rotated_digits(n_groups=1, clients_per_group=4, per_client=20)
+        change = {"y_train": federation.y_train.float() + 0.5}
+    with pytest.raises(DataError, match=named):
+        Experiment(_config(), federation=_given(**change))
+
+
+def test_a_python_federation_s_bad_clients_are_excluded_or_refused():
+    """Client 1's labels out of range: excluded (the others renumbered) as a file's would
+    be, or the run refused with ``data.bad_clients: refuse``."""
+    federation = rotated_digits(n_groups=1, clients_per_group=4, per_client=20)
+    y = federation.y_train.clone()
+    y[federation.client_slice(1)] = 99
+    bad = _given(y_train=y)
+    kept = Experiment(_config(), federation=bad).federation(0)
+    assert kept.n_clients == 3
+    assert torch.equal(kept.y_train[kept.client_slice(1)], y[federation.client_slice(2)])
+    refuse = validate_config(
+        {**_config().model_dump(mode="json"), "data": {"bad_clients": "refuse"}}
+    )
+    with pytest.raises(DataError, match=r"client 1: training labels outside 0\.\.9"):
+        Experiment(refuse, federation=bad)

@@ -41,7 +41,7 @@ from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.natural import NATURAL, make_natural
 from fedcluster.data.partitions import Partition, make_partition
-from fedcluster.data.screen import screen_clients
+from fedcluster.data.screen import check_given, screen_clients
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
@@ -186,7 +186,11 @@ class Experiment:
         if model is not None:
             refuse_frozen(model, "model")
         self._kept = kept_row(model, config.model.init)
-        self._federation = federation
+        self._federation = (
+            None
+            if federation is None
+            else screen_clients(check_given(federation), config.data.bad_clients)
+        )
         self.callbacks = list(callbacks)
         if loss is not None and backend_factory is not None:
             raise ConfigError(

@@ -4,8 +4,8 @@ A node is trusted with nothing the server can check. Its ``query.setup`` reply
 (:func:`setup_report`) must hold its client ids, each client's sample counts
 (non-negative integers at most :data:`MAX_CLIENT_SAMPLES`: they become
 averaging weights) and, where it reports them, the federation's size, number
-of classes (at most :data:`MAX_CLASSES`: the server builds the model's output
-layer from it) and input shape (at most :data:`MAX_FEATURES` values per
+of classes (at most :data:`~fedcluster.data.screen.MAX_CLASSES`: the server
+builds the model's output layer from it) and input shape (at most :data:`MAX_FEATURES` values per
 sample). Anything else is a :class:`BadReport`, one line, and the node is left
 out of the federation (:func:`fedcluster.flower.backend.discover`).
 
@@ -26,13 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcluster.data.screen import MAX_CLASSES
 from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.errors import FedclusterError
 from fedcluster.flower import protocol
 from fedcluster.limits import MAX_COUNT
-
-MAX_CLASSES = 100_000
-"""The most classes a node may report (ImageNet-21k has 21,841)."""
 
 MAX_FEATURES = 2**24
 """The most input values per sample a node may report (16.7 M: 3 × 2,365²)."""
