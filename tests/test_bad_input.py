@@ -129,3 +129,51 @@ def test_participation_count_above_the_clients_warns_with_both_numbers():
 def test_compare_with_no_algorithm_is_an_error(tmp_path, capsys):
     assert main(["compare", *TINY, "--out", str(tmp_path / "r"), "--algorithms", " , "]) == 2
     assert "--algorithms ' , ': give at least one" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ resources bounded up front
+
+
+def test_batch_plan_estimate_counts_the_steps_batch_plan_draws():
+    """The estimate's step count per client is the number of batches ``batch_plan`` draws
+    (epochs × ⌈n/B⌉, or ``steps``), each charged its index tensor and indices."""
+    import numpy as np
+
+    from fedcluster.capacity import INDEX_BYTES, PLAN_STEP_BYTES, batch_plan_bytes
+    from fedcluster.engine.batches import LocalTraining, batch_plan
+
+    sizes = np.array([0, 5, 37, 64])
+    for epochs, steps in ((3, None), (1, 11)):
+        cfg = LocalTraining(lr=0.1, batch_size=16, epochs=epochs, steps=steps)
+        drawn = [batch_plan(int(n), cfg, 0, "train", 1, c) for c, n in enumerate(sizes)]
+        want = sum(
+            len(plan) * (PLAN_STEP_BYTES + INDEX_BYTES * min(16, int(n)))
+            for plan, n in zip(drawn, sizes, strict=True)
+        )
+        assert batch_plan_bytes(sizes, 16, epochs, steps) == want
+
+
+@pytest.mark.parametrize(
+    ("sets", "named"),
+    [
+        (["train.steps=10000000"], "train.steps 10,000,000: the 4 clients' mini-batch plans"),
+        (["train.epochs=10000000"], "train.epochs 10,000,000: the 4 clients' mini-batch plans"),
+        (
+            ["algorithms=[{name: ifca, params: {n_clusters: 1000000}}]"],
+            "algorithms.0.params.n_clusters: 1,000,000 for 4 clients",
+        ),
+    ],
+)
+def test_resources_beyond_the_machine_are_refused_up_front(
+    tmp_path, capsys, monkeypatch, sets, named
+):
+    """At their documented maxima, local steps and epochs are refused with the estimate
+    (memory allowed fixed at 8 GiB here, so the outcome does not depend on the machine);
+    a million clusters for 4 clients is refused before any model is built."""
+    monkeypatch.setattr("fedcluster.capacity.allowed_bytes", lambda: 8 * 2**30)
+    extra = [a for s in sets for a in ("--set", s)]
+    assert main(["run", *TINY, "--out", str(tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("fedcluster: error:")]
+    assert len(errors) == 1 and named in errors[0] and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

@@ -35,6 +35,7 @@ from fedcluster.algorithms.base import Algorithm, State, auto_k, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.algorithms.select_k import select_k
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
+from fedcluster.capacity import check_batch_plans, check_cluster_counts
 from fedcluster.central_dp import CentralDP
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
@@ -278,6 +279,8 @@ class Experiment:
         """What every job of a seed shares: (federation, model, initial row), and the
         seed's scenario."""
         cfg = self.config
+        check_cluster_counts(cfg, federation.n_clients)
+        check_batch_plans(cfg, federation.train_sizes)
         model = self.model(federation)
         scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
         start = init_row(model, seed, "init") if self._kept is None else self._kept.clone()
