@@ -290,6 +290,26 @@ def test_negative_seeds_are_refused(tmp_path, capsys, argv):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("where", ["report.html", "metrics.csv"])
+def test_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path, capsys, monkeypatch, where):
+    """ENOSPC while the report is written (after the run), or while a metrics row is
+    appended: one line naming the file; no ``.tmp`` anywhere in the run directory."""
+    out = tmp_path / "run"
+    real = safefiles._write_all
+
+    def fill_up(fd: int, data: bytes) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith((where, where + ".tmp")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(safefiles, "_write_all", fill_up)
+    args = [a for a in ARGS if a != "--no-report"]
+    assert main(["run", *args, "--out", str(out)]) == 2
+    line = _one_line_error(capsys, str(out / where))
+    assert "no space left" in line.lower()
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
 def test_a_full_disk_ends_with_one_line_and_a_resumable_run(tmp_path, capsys, monkeypatch):
     full = tmp_path / "full"
     assert main(["run", *ARGS, "--out", str(full)]) == 0
@@ -347,6 +367,51 @@ def test_ctrl_c_before_the_first_checkpoint_leaves_nothing(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "Traceback" not in err and "interrupted before the first checkpoint" in err, err
     assert not out.exists()  # the same command can run again
+
+
+def test_sigterm_during_a_run_ends_as_ctrl_c_does(tmp_path, capsys, monkeypatch):
+    """SIGTERM as round 3 starts: one line, status 130, resumable to the full run."""
+    import signal
+
+    full = tmp_path / "full"
+    assert main(["run", *ARGS, "--out", str(full)]) == 0
+    real = Job._round
+
+    def round_or_term(self, state, rnd):
+        if rnd == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, state, rnd)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Job, "_round", round_or_term)
+        assert main(["run", *ARGS, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"`fedcluster resume {out}` continues" in err, err
+    assert signal.getsignal(signal.SIGTERM) is not None  # main put the previous one back
+    assert main(["resume", "--quiet", "--no-report", str(out)]) == 0
+    assert _metrics(out) == _metrics(full)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupt_during_start_up_is_one_line(tmp_path, capsys, monkeypatch, how):
+    """Ctrl-C or SIGTERM while the config is read (after torch's import began): one line,
+    status 130, nothing written."""
+    import signal
+
+    import fedcluster.config
+
+    def interrupted(*args, **kwargs):
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        return fedcluster.config.validate_config({})
+
+    monkeypatch.setattr(fedcluster.config, "resolve_config", interrupted)
+    assert main(["run", *ARGS, "--out", str(tmp_path / "run")]) == 130
+    err = capsys.readouterr().err
+    assert err == "fedcluster: interrupted\n", err
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------- bad clients

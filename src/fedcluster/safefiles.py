@@ -54,7 +54,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``path`` through ``<path>.tmp`` (created exclusively) and a rename.
 
     On any failure (a full disk: ``ENOSPC``) the temporary is removed and ``path``
-    keeps its previous content.
+    keeps its previous content; an ``OSError`` names ``path``.
     """
     blob = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(path.name + ".tmp")
@@ -72,8 +72,10 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # os.write names no file
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
 
 
@@ -82,6 +84,8 @@ def append(path: Path, text: str) -> None:
     fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         _write_all(fd, text.encode())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     finally:
         os.close(fd)
 
