@@ -177,3 +177,58 @@ def test_resources_beyond_the_machine_are_refused_up_front(
     errors = [line for line in err.splitlines() if line.startswith("fedcluster: error:")]
     assert len(errors) == 1 and named in errors[0] and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (
+            ["--set", "data.partition={name: iid, n_clients: 10000000, test_fraction: 0.2}"],
+            "data.partition.n_clients: 10,000,000 clients for",
+        ),
+        (
+            ["--set", "data={dataset: synthetic, options: {n_clients: 10000000}}"],
+            "synthetic: 10,000,000 clients of 60 features need about",
+        ),
+        (
+            ["--set", "data={dataset: synthetic, options: {n_features: 100000000}}"],
+            "synthetic: n_features must be an integer in 1..16777216",
+        ),
+        (
+            ["--set", "data={dataset: synthetic, options: {alpha: 1e300}}"],
+            "synthetic: alpha must be a number in 0..1000",
+        ),
+        (
+            ["--set", "algorithms=[{name: ifca}]"]
+            + ["--sweep", "algorithms.ifca.lr_scale=" + ",".join(str(i) for i in range(1000))]
+            + ["--sweep", "algorithms.ifca.n_clusters=" + ",".join(str(i) for i in range(1000))],
+            "--sweep: 1,000,000 algorithm entries",
+        ),
+    ],
+    ids=["partition-clients", "synthetic-clients", "synthetic-features", "alpha", "sweep"],
+)
+def test_sizes_beyond_the_data_or_machine_are_refused_before_allocation(
+    tmp_path, capsys, monkeypatch, extra, named
+):
+    """Memory allowed fixed at 8 GiB, so the outcome does not depend on the machine."""
+    monkeypatch.setattr("fedcluster.data.synthetic.allowed_bytes", lambda: 8 * 2**30)
+    assert main(["run", *TINY, "--out", str(tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("fedcluster: error:")]
+    assert len(errors) == 1 and named in errors[0] and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_synthetic_memory_estimate_follows_the_client_sizes_drawn():
+    """The estimate's mean client size is the drawn sizes' mean (lognormal(4, 2) + 50) to
+    within their sampling error, and its bytes per sample are float32 inputs + a label."""
+    import numpy as np
+
+    from fedcluster.data.synthetic import MEAN_CLIENT_SIZE, synthetic_bytes, synthetic_federation
+
+    clients = synthetic_federation(400, 0.5, 0.5, seed=0, n_features=4, n_classes=3)
+    sizes = np.array([len(y) for _, y in clients])
+    # lognormal(4, 2)'s standard deviation is ~2,900: the mean of 400 is within 3 σ/√400
+    assert abs(sizes.mean() - MEAN_CLIENT_SIZE) < 3 * 2_990 / np.sqrt(400)
+    assert all(x.dtype == np.float32 and x.shape[1] == 4 for x, _ in clients)
+    assert synthetic_bytes(1, 4, 3) == MEAN_CLIENT_SIZE * (4 * 4 + 8) + 8 * 5 * 4

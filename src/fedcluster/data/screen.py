@@ -38,6 +38,8 @@ SHOWN = 5
 MAX_CLASSES = 100_000
 """The most classes a federation may have (ImageNet-21k has 21,841): the model's output
 layer is built from it."""
+MAX_FEATURES = 2**24
+"""The most input values per sample (16.7 M: 3 × 2,365² pixels)."""
 
 
 def clients_with(bad_rows: torch.Tensor, offsets: np.ndarray) -> np.ndarray:

@@ -5,9 +5,10 @@ A node is trusted with nothing the server can check. Its ``query.setup`` reply
 (non-negative integers at most :data:`MAX_CLIENT_SAMPLES`: they become
 averaging weights) and, where it reports them, the federation's size, number
 of classes (at most :data:`~fedcluster.data.screen.MAX_CLASSES`: the server
-builds the model's output layer from it) and input shape (at most :data:`MAX_FEATURES` values per
-sample). Anything else is a :class:`BadReport`, one line, and the node is left
-out of the federation (:func:`fedcluster.flower.backend.discover`).
+builds the model's output layer from it) and input shape (at most
+:data:`~fedcluster.data.screen.MAX_FEATURES` values per sample). Anything else
+is a :class:`BadReport`, one line, and the node is left out of the federation
+(:func:`fedcluster.flower.backend.discover`).
 
 A computation's reply field that reports a client's sample count
 (:attr:`~fedcluster.engine.computation.ReplyField.samples`, e.g. the
@@ -26,14 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcluster.data.screen import MAX_CLASSES
+from fedcluster.data.screen import MAX_CLASSES, MAX_FEATURES
 from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.errors import FedclusterError
 from fedcluster.flower import protocol
 from fedcluster.limits import MAX_COUNT
-
-MAX_FEATURES = 2**24
-"""The most input values per sample a node may report (16.7 M: 3 × 2,365²)."""
 
 MAX_CLIENT_SAMPLES = MAX_COUNT
 """The most samples per client and split a node may report."""
