@@ -232,3 +232,10 @@ def test_the_synthetic_memory_estimate_follows_the_client_sizes_drawn():
     assert abs(sizes.mean() - MEAN_CLIENT_SIZE) < 3 * 2_990 / np.sqrt(400)
     assert all(x.dtype == np.float32 and x.shape[1] == 4 for x, _ in clients)
     assert synthetic_bytes(1, 4, 3) == MEAN_CLIENT_SIZE * (4 * 4 + 8) + 8 * 5 * 4
+
+
+def test_a_60000_level_set_key_is_one_line(tmp_path, capsys):
+    key = ".".join(["a"] * 60_000)
+    assert main(["run", *TINY, "--out", str(tmp_path / "run"), "--set", f"{key}=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nested 60000 levels, at most 64" in err, err[:300]

@@ -555,6 +555,11 @@ def apply_set(raw: dict[str, Any], assignment: str) -> dict[str, Any]:
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected dotted.key=value")
     key, _, text = assignment.partition("=")
+    if key.count(".") >= safeyaml.MAX_DEPTH:
+        raise ConfigError(
+            f"--set {key[:80]}...: the key is nested {key.count('.') + 1} levels, "
+            f"at most {safeyaml.MAX_DEPTH}"
+        )
     keys = expand_algorithm_key(raw, key)
     if keys != [key]:
         for k in keys:
