@@ -161,3 +161,33 @@ def test_a_python_federation_s_bad_clients_are_excluded_or_refused():
     )
     with pytest.raises(DataError, match=r"client 1: training labels outside 0\.\.9"):
         Experiment(refuse, federation=bad)
+
+
+def _text_loss(logits, targets):
+    return "low"
+
+
+def _per_sample_loss(logits, targets):
+    return nn.functional.cross_entropy(logits, targets, reduction="none")
+
+
+@pytest.mark.parametrize(
+    ("loss", "named"),
+    [
+        (_text_loss, "_text_loss returned str 'low', not a floating-point tensor of one value"),
+        (_per_sample_loss, "_per_sample_loss returned a torch.float32 tensor of shape (20,)"),
+    ],
+)
+def test_a_loss_breaking_its_contract_is_one_line_naming_it(tmp_path, loss, named):
+    federation = rotated_digits(n_groups=1, clients_per_group=4, per_client=20)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        fedcluster.run(
+            model=_model(),
+            federation=federation,
+            rounds=1,
+            train={"batch_size": 20},
+            loss=loss,
+            report=False,
+            out=tmp_path / "run",
+        )
+    assert not (tmp_path / "run").exists()
