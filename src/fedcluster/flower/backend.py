@@ -18,13 +18,16 @@ ids, their sample counts (for sample-weighted averaging), the ground-truth
 group where the node knows one (for purity), the data shape (to build the
 model) and each client file's SHA-256 -- or, given the server's copy of the
 export's manifest, through that manifest, against which the nodes' hashes are
-checked. A client the node cannot serve (its data file is corrupt, or differs
-from the server's manifest) is logged with the reason and stays in the
-federation, but is out of reach: never asked, not available for selection,
-a ``failed`` client of every request that names it, as the simulator's
-failing clients are. The clients of a node that is lost (reported offline by
-the SuperLink, or silent past the timeout) are out of reach until a
-rediscovery finds the node again (:class:`Fleet`,
+checked. Nothing a node reports is used before :mod:`fedcluster.flower.verify`
+checks it: a node whose report is malformed, out of bounds or in conflict with
+the manifest or the other nodes is refused (``refused`` events), and a reply
+whose sample count differs from the agreed one is rejected. A client the node
+cannot serve (its data file is corrupt, or differs from the server's manifest)
+is logged with the reason and stays in the federation, but is out of reach:
+never asked, not available for selection, a ``failed`` client of every
+request that names it, as the simulator's failing clients are. The clients
+of a node that is lost (reported offline by the SuperLink, or silent past the
+timeout) are out of reach until a rediscovery finds the node again (:class:`Fleet`,
 :meth:`FlowerBackend.rediscover`: at every round start and end and before
 every request, never waiting): ``rejoined`` or ``joined`` events.
 """
