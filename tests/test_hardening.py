@@ -176,6 +176,73 @@ def test_a_forged_row_is_refused(stopped):
     assert "1.0" not in [r[3] for r in _metrics(stopped)[1:]]
 
 
+def _float_tensor(tree, path: str = "state") -> tuple[str, torch.Tensor]:
+    """The first float tensor of a stored tree and its path."""
+    if isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        return path, tree
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in items:
+        if isinstance(value, dict | list | tuple | torch.Tensor):
+            found = _float_tensor(value, f"{path}/{key}")
+            if found[0]:
+                return found
+    return "", torch.empty(0)
+
+
+def _tamper_tensor(path: Path, change) -> str:
+    """Rewrite the stored state's first float tensor with ``change`` applied to it in
+    place, the checkpoint's metadata (and its recorded digests) kept as they were;
+    the tensor's path."""
+    raw = torch.load(path, weights_only=True)
+    name, tensor = _float_tensor(raw["state"])
+    change(tensor)
+    torch.save(raw, path)
+    return name
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.view(-1)[:1].neg_(),  # IEEE negation flips exactly the sign bit
+        lambda t: t.zero_(),
+    ],
+    ids=["sign-bit", "zeroed"],
+)
+def test_a_tampered_checkpoint_tensor_is_refused_and_nothing_is_written(stopped, capsys, change):
+    """A sign bit flipped in one stored weight, or the weights zeroed: resume names the
+    file and the tensor in one line, exits non-zero and writes nothing."""
+    path = RunDirectory(stopped).checkpoint_path("fedavg", 0)
+    name = _tamper_tensor(path, change)
+    files = {p: p.read_bytes() for p in stopped.rglob("*") if p.is_file()}
+    assert main(["resume", "--quiet", "--no-report", str(stopped)]) == 2
+    _one_line_error(capsys, path.name, f"{name} does not match its SHA-256")
+    assert {p: p.read_bytes() for p in stopped.rglob("*") if p.is_file()} == files
+
+
+def test_checkpoint_digests_cover_each_stored_value():
+    """The digest of each leaf changes with its dtype, shape or any one bit of its bytes,
+    and a number stored beside the tensors is covered too."""
+    from fedcluster.tensor_digest import digests, first_mismatch
+
+    weights = torch.arange(6, dtype=torch.float32)
+    tree = {"state": {"w": weights, "k": 3}, "clusters": None}
+    recorded = digests(tree)
+    assert sorted(recorded) == ["/clusters", "/state/k", "/state/w"]
+    assert first_mismatch(tree, recorded) is None
+    for other in (
+        weights.double(),
+        weights.reshape(2, 3),
+        weights.clone().index_fill_(0, torch.tensor([5]), -5.0),
+    ):
+        assert first_mismatch({**tree, "state": {"w": other, "k": 3}}, recorded) == (
+            "state/w does not match its SHA-256"
+        )
+    assert first_mismatch({**tree, "state": {"w": weights, "k": 4}}, recorded) == (
+        "state/k does not match its SHA-256"
+    )
+    assert first_mismatch({**tree, "state": {"w": weights}}, recorded) == "state/k is missing"
+
+
 def test_an_edited_config_is_refused_with_one_line(stopped, capsys):
     config = stopped / "config.yaml"
     text = config.read_text()
@@ -224,6 +291,26 @@ def test_negative_seeds_are_refused(tmp_path, capsys, argv):
     assert main(["run", *ARGS, "--out", str(tmp_path / "run"), *argv]) == 2
     _one_line_error(capsys, "seeds")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["report.html", "metrics.csv"])
+def test_a_full_disk_names_the_file_and_leaves_no_temporary(tmp_path, capsys, monkeypatch, where):
+    """ENOSPC while the report is written (after the run), or while a metrics row is
+    appended: one line naming the file; no ``.tmp`` anywhere in the run directory."""
+    out = tmp_path / "run"
+    real = safefiles._write_all
+
+    def fill_up(fd: int, data: bytes) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith((where, where + ".tmp")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(safefiles, "_write_all", fill_up)
+    args = [a for a in ARGS if a != "--no-report"]
+    assert main(["run", *args, "--out", str(out)]) == 2
+    line = _one_line_error(capsys, str(out / where))
+    assert "no space left" in line.lower()
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_a_full_disk_ends_with_one_line_and_a_resumable_run(tmp_path, capsys, monkeypatch):
@@ -283,6 +370,51 @@ def test_ctrl_c_before_the_first_checkpoint_leaves_nothing(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "Traceback" not in err and "interrupted before the first checkpoint" in err, err
     assert not out.exists()  # the same command can run again
+
+
+def test_sigterm_during_a_run_ends_as_ctrl_c_does(tmp_path, capsys, monkeypatch):
+    """SIGTERM as round 3 starts: one line, status 130, resumable to the full run."""
+    import signal
+
+    full = tmp_path / "full"
+    assert main(["run", *ARGS, "--out", str(full)]) == 0
+    real = Job._round
+
+    def round_or_term(self, state, rnd):
+        if rnd == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, state, rnd)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Job, "_round", round_or_term)
+        assert main(["run", *ARGS, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"`fedcluster resume {out}` continues" in err, err
+    assert signal.getsignal(signal.SIGTERM) is not None  # main put the previous one back
+    assert main(["resume", "--quiet", "--no-report", str(out)]) == 0
+    assert _metrics(out) == _metrics(full)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupt_during_start_up_is_one_line(tmp_path, capsys, monkeypatch, how):
+    """Ctrl-C or SIGTERM while the config is read (after torch's import began): one line,
+    status 130, nothing written."""
+    import signal
+
+    import fedcluster.config
+
+    def interrupted(*args, **kwargs):
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        return fedcluster.config.validate_config({})
+
+    monkeypatch.setattr(fedcluster.config, "resolve_config", interrupted)
+    assert main(["run", *ARGS, "--out", str(tmp_path / "run")]) == 130
+    err = capsys.readouterr().err
+    assert err == "fedcluster: interrupted\n", err
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------- bad clients
@@ -347,3 +479,41 @@ def test_a_leaf_user_with_no_samples_is_named(tmp_path, capsys):
     ]  # fmt: skip
     assert main(["run", *ARGS, *cfg_args, "--out", str(tmp_path / "run")]) == 2
     _one_line_error(capsys, "client 2: no training samples")
+
+
+# ----------------------------------------------------------------------- special files
+
+
+@pytest.fixture()
+def alarm():
+    """Fail instead of hanging: SIGALRM after 60 s raises in the test."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError("blocked on a special file")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_given_as_the_config_is_refused_without_blocking(tmp_path, capsys, alarm):
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    assert main(["run", "--quiet", str(fifo), "--out", str(tmp_path / "run")]) == 2
+    _one_line_error(capsys, str(fifo), "not a regular file")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("entry", ["config.yaml", "metrics.csv"])
+def test_a_fifo_in_a_run_directory_is_refused_on_resume(stopped, capsys, alarm, entry):
+    """A run's config.yaml or metrics.csv replaced by a FIFO: resume refuses it in one line
+    (opened with O_NONBLOCK, then refused as not a regular file) and writes nothing."""
+    (stopped / entry).unlink()
+    os.mkfifo(stopped / entry)
+    files = {p: p.read_bytes() for p in stopped.rglob("*") if p.is_file()}
+    assert main(["resume", "--quiet", "--no-report", str(stopped)]) == 2
+    _one_line_error(capsys, entry, "not a regular file")
+    assert {p: p.read_bytes() for p in stopped.rglob("*") if p.is_file()} == files

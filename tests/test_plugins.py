@@ -205,3 +205,21 @@ def test_unknown_and_unimportable_names_are_one_line_errors(plugin_dir):
         with pytest.raises(ConfigError, match=message) as err:
             Experiment(config)
         assert "\n" not in str(err.value)
+
+
+def test_a_plugin_raising_at_import_is_named_and_the_others_still_list(plugin_dir, capsys):
+    """A second installed package whose module raises while imported: listing algorithms
+    names it with what it raised and lists the working plugin; running it is one line."""
+    (plugin_dir / "brokenpkg.py").write_text("1 / 0\n")
+    info = plugin_dir / "brokenpkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenpkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fedcluster.algorithms]\nbroken = brokenpkg:Broken\n")
+    listed = format_sections("algorithms")
+    assert re.search(r"broken +\(plugin brokenpkg:Broken\) .*raised ZeroDivisionError", listed)
+    assert re.search(r"mymomentum +\(plugin mypkg:Momentum\) FedAvg with server momentum", listed)
+    assert main(["list", "algorithms"]) == 0
+    assert "mymomentum" in capsys.readouterr().out
+    config = validate_config(digits_config("broken", 1, [{"name": "broken"}]))
+    with pytest.raises(ConfigError, match="'brokenpkg:Broken' cannot be imported: it raised Zero"):
+        Experiment(config)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -477,7 +479,27 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM ends a command as Ctrl-C does: one line, and a run stays resumable."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``fedcluster`` command; its exit status. Ctrl-C or SIGTERM at any moment of
+    it (also while torch is imported and the config read) ends with one line, status 130."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before or after the run itself (_stops_are_resumable)
+        print("fedcluster: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     prefer_passive_wait()  # before anything imports torch (fedcluster.openmp)
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -87,6 +87,12 @@ class ModelConfig(_Strict):
     name: str = Field("mlp", description="a preset model or 'package.module:factory'")
     options: dict[str, Any] = Field(default_factory=dict)
     given: str | None = Field(None, description=GIVEN_HELP)
+    init: Literal["keep", "reset"] = Field(
+        "keep",
+        description="a model passed from Python as an nn.Module: keep starts every job from its "
+        "weights (a pretrained model stays pretrained), reset re-initialises it from the seed; "
+        "a model the config builds is always initialised from the seed",
+    )
     buffers: Literal["federated", "local"] = Field(
         "federated",
         description="federated: float buffers (BatchNorm statistics) are averaged with the "
@@ -306,8 +312,9 @@ class DeploymentConfig(_Strict):
 
     The defaults survive a fleet's everyday losses: each request waits
     ``timeout_factor`` × the slowest round trip measured so far, at least
-    ``timeout_floor`` seconds (``round_timeout`` fixes it instead), and the run
-    goes on while at least ``min_replies`` of the clients reply.
+    ``timeout_floor`` and at most ``timeout_ceiling`` seconds (``round_timeout``
+    fixes it instead), and the run goes on while at least ``min_replies`` of the
+    clients reply.
     """
 
     round_timeout: float | None = Field(
@@ -322,12 +329,27 @@ class DeploymentConfig(_Strict):
     timeout_factor: float = Field(
         3.0, ge=1.0, description="the measured timeout: this x the slowest round trip so far"
     )
+    timeout_ceiling: float = Field(
+        600.0,
+        gt=0.0,
+        description="the measured timeout's greatest value (seconds): a node answering ever "
+        "slower cannot stretch it further, and is lost when it passes it",
+    )
     min_replies: float = Field(
         0.5,
         gt=0.0,
         le=1.0,
         description="fraction of the clients asked that must reply, else the run stops",
     )
+
+    @model_validator(mode="after")
+    def _ceiling_above_floor(self) -> DeploymentConfig:
+        if self.timeout_ceiling < self.timeout_floor:
+            raise ValueError(
+                f"timeout_ceiling ({self.timeout_ceiling:g} s) is below timeout_floor "
+                f"({self.timeout_floor:g} s)"
+            )
+        return self
 
 
 class EvaluationConfig(_Strict):
@@ -560,6 +582,11 @@ def apply_set(raw: dict[str, Any], assignment: str) -> dict[str, Any]:
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected dotted.key=value")
     key, _, text = assignment.partition("=")
+    if key.count(".") >= safeyaml.MAX_DEPTH:
+        raise ConfigError(
+            f"--set {key[:80]}...: the key is nested {key.count('.') + 1} levels, "
+            f"at most {safeyaml.MAX_DEPTH}"
+        )
     keys = expand_algorithm_key(raw, key)
     if keys != [key]:
         for k in keys:

@@ -67,14 +67,17 @@ log = logging.getLogger("fedcluster")
 
 
 def accuracy_columns(result: EvalResult) -> dict[str, float]:
-    """Pooled and per-client accuracy and the pooled test loss."""
+    """Pooled and per-client accuracy and the pooled test loss; NaN (an empty cell) when
+    no client's evaluation counted (all failed or were rejected, e.g. a model or loss
+    giving NaN: events.csv names each), never an accuracy of 0."""
     has = result.count > 0
     per_client = result.accuracy[has]
+    total = result.count.sum()
     return {
-        "accuracy": float(result.correct.sum() / max(result.count.sum(), 1)),
+        "accuracy": float(result.correct.sum() / total) if total else math.nan,
         "accuracy_mean": float(per_client.mean()) if has.any() else math.nan,
         "accuracy_std": float(per_client.std()) if has.any() else math.nan,
-        "test_loss": float(result.loss_sum.sum() / max(result.count.sum(), 1)),
+        "test_loss": float(result.loss_sum.sum() / total) if total else math.nan,
     }
 
 

@@ -31,13 +31,13 @@ Python, pass the module itself to :class:`fedcluster.runner.Experiment`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from fedcluster.errors import ConfigError
+from fedcluster.memory import allowed_bytes, physical_bytes
 from fedcluster.plugins import import_object, is_import_path
 
 InputShape = tuple[int, ...]
@@ -343,24 +343,28 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 FLOAT_BYTES = 4
 
 
-def memory_bytes() -> int:
-    """Physical memory of this machine in bytes (a generous upper bound for one model)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not available on this platform
-        return 2**62
+def refuse_frozen(model: nn.Module, what: str) -> None:
+    """ConfigError naming the parameters of ``model`` with ``requires_grad=False``: every
+    training path updates every parameter row, so a frozen layer would be trained."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        shown = ", ".join(frozen[:5]) + (f" and {len(frozen) - 5} more" if len(frozen) > 5 else "")
+        raise ConfigError(
+            f"{what}: parameters {shown} have requires_grad=False; fedcluster trains every "
+            "parameter of a model, so frozen layers are refused: set requires_grad=True, or "
+            "keep fixed layers out of the model (e.g. as a fixed feature transform of the data)"
+        )
 
 
-def available_memory_bytes() -> int:
-    """Memory available for new allocations (``MemAvailable`` on Linux, else physical memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return memory_bytes()
+def kept_row(model: nn.Module | None, init: str) -> torch.Tensor | None:
+    """The initial row of a model passed from Python: its own weights with ``init: keep``
+    (a CPU copy, taken once: what the run does later cannot change it); ``None`` when
+    the run initialises it from the seed (``reset``, or no model given)."""
+    from fedcluster.engine.flat import ParamLayout
+
+    if model is None or init == "reset":
+        return None
+    return ParamLayout(model).flatten().cpu().clone()
 
 
 def check_rows_fit(name: str, model: nn.Module, rows: int) -> None:
@@ -371,11 +375,12 @@ def check_rows_fit(name: str, model: nn.Module, rows: int) -> None:
     """
     count = sum(p.numel() for p in model.parameters())
     need = count * FLOAT_BYTES * rows
-    have = available_memory_bytes()
+    have = allowed_bytes()
     if need > have:
         raise ConfigError(
             f"model: {name!r} has {count:,} parameters; a round's {rows} model rows need "
-            f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB available"
+            f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB this process may "
+            "allocate (the least of MemAvailable, the cgroup limit and ulimit -v)"
         )
 
 
@@ -409,10 +414,10 @@ def build_model(name: str, input_shape: InputShape, n_classes: int, **options) -
             f"model.name: unknown model {name!r}; allowed: {allowed}, or 'package.module:factory'"
         )
     count = parameter_count(factory, input_shape, n_classes, options)
-    if count is not None and count * FLOAT_BYTES > memory_bytes():
+    if count is not None and count * FLOAT_BYTES > physical_bytes():
         raise ConfigError(
             f"model: {name!r} has {count:,} parameters ({count * FLOAT_BYTES / 2**30:.1f} GiB "
-            f"as float32), more than this machine's memory ({memory_bytes() / 2**30:.1f} GiB)"
+            f"as float32), more than this machine's memory ({physical_bytes() / 2**30:.1f} GiB)"
         )
     try:
         model = factory(tuple(input_shape), n_classes, **options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+import math
 import re
 from typing import Any
 
@@ -108,6 +109,11 @@ def value_text(v: Any) -> str:
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
 
 
+MAX_ENTRIES = 10_000
+"""The most algorithm entries a sweep may expand to (each is a job per seed), counted
+before any combination is built."""
+
+
 def apply_sweeps(raw: dict[str, Any], sweeps: list[str]) -> dict[str, Any]:
     """Replace each swept entry by one labelled entry per combination of its swept values."""
     if not sweeps:
@@ -126,6 +132,14 @@ def apply_sweeps(raw: dict[str, Any], sweeps: list[str]) -> dict[str, Any]:
             )
         for i in found:
             per_entry.setdefault(i, []).append((param, values))
+    total = len(entries) - len(per_entry)
+    for i in per_entry:
+        total += math.prod(len(v) for _, v in per_entry[i])
+    if total > MAX_ENTRIES:
+        raise ConfigError(
+            f"--sweep: {total:,} algorithm entries (every combination of the swept values); "
+            f"at most {MAX_ENTRIES:,} in a run"
+        )
     expanded = []
     for i, entry in enumerate(entries):
         if i not in per_entry:

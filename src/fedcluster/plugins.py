@@ -49,7 +49,8 @@ def is_import_path(name: str) -> bool:
 
 def import_object(path: str, kind: Kind) -> Any:
     """The object at ``package.module:attribute`` (the attribute may be dotted, e.g.
-    ``mod:Class.factory``); a :class:`ConfigError` in one line when it cannot be imported.
+    ``mod:Class.factory``); a :class:`ConfigError` in one line when it cannot be imported,
+    also when the module's own code raises while it is imported (naming what it raised).
 
     The one place where fedcluster imports code named by a user or an installed plugin.
     """
@@ -62,6 +63,9 @@ def import_object(path: str, kind: Kind) -> Any:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{kind} {path!r} cannot be imported: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 -- the module's own code raised while importing
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ConfigError(f"{kind} {path!r} cannot be imported: it raised {detail}") from None
     return obj
 
 

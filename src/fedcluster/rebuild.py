@@ -48,14 +48,17 @@ def _update(h: hashlib._Hash, value: torch.Tensor | np.ndarray | None) -> None:
     h.update(array.tobytes())
 
 
-def model_sha256(model: nn.Module) -> str:
-    """Hash of what a run uses of ``model``: class, parameter and buffer shapes, initial row."""
+def model_sha256(model: nn.Module, keep: bool = False) -> str:
+    """Hash of what a run uses of ``model``: class, parameter and buffer shapes, and its
+    initial row: its own weights when the run keeps them (``model.init: keep``), else
+    the row it is re-initialised to."""
     from fedcluster.algorithms.base import init_row
+    from fedcluster.engine.flat import ParamLayout
 
     h = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    _update(h, init_row(model, 0, "init"))
+    _update(h, ParamLayout(model).flatten() if keep else init_row(model, 0, "init"))
     return h.hexdigest()
 
 
@@ -92,8 +95,9 @@ def record_given(
             f"object(s) again (model=..., federation=..., loss=...)"
         )
     changes = {}
+    keep = config.model.init == "keep"
     for section, obj, digest in (
-        ("model", model, model_sha256),
+        ("model", model, lambda m: model_sha256(m, keep)),
         ("data", federation, federation_sha256),
     ):
         if obj is None:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fedcluster import safefiles
+from fedcluster import safefiles, tensor_digest
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.client_results import CLIENT_COLUMNS, client_line
 from fedcluster.config import ExperimentConfig, dump_config
@@ -337,9 +337,9 @@ def _read_text(path: Path) -> str:
     return safefiles.read_bytes(path).decode("utf-8", errors="replace")
 
 
-CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMAT = 4
 """Version of the checkpoint layout (1: pickled state, before it was made safe; 2: before
-the config digest)."""
+the config digest; 3: before the stored values' digests)."""
 
 
 def config_digest(config: ExperimentConfig) -> str:
@@ -491,6 +491,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         "config_sha256": checkpoint.config_sha256,
     }
     tensors = {"state": checkpoint.state, "clusters": checkpoint.clusters}
+    meta["sha256"] = tensor_digest.digests(tensors)
     buffer = io.BytesIO()  # serialised first: a full disk is then an OSError of the write
     torch.save({"meta": json.dumps(meta), **tensors}, buffer)
     safefiles.write_atomic(path, buffer.getvalue())
@@ -515,6 +516,14 @@ def load_checkpoint(path: Path) -> Checkpoint:
             f"format {CHECKPOINT_FORMAT}; rerun the job or use the fedcluster that wrote it"
         )
     try:
+        damage = tensor_digest.first_mismatch(
+            {"state": raw["state"], "clusters": raw["clusters"]}, meta["sha256"]
+        )
+        if damage:
+            raise FedclusterError(
+                f"checkpoint {path}: {damage} (the file was altered or damaged); "
+                "delete it to restart that job from round 1"
+            )
         return Checkpoint(
             meta["round"],
             raw["state"],

@@ -35,6 +35,7 @@ from fedcluster.algorithms.base import Algorithm, State, auto_k, init_row
 from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.algorithms.select_k import select_k
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
+from fedcluster.capacity import check_batch_plans, check_cluster_counts
 from fedcluster.central_dp import CentralDP
 from fedcluster.client_results import client_records
 from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
@@ -42,7 +43,7 @@ from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.natural import NATURAL, make_natural
 from fedcluster.data.partitions import Partition, make_partition
-from fedcluster.data.screen import screen_clients
+from fedcluster.data.screen import check_given, screen_clients
 from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.backend import Backend, FederationView
 from fedcluster.engine.batches import LocalTraining
@@ -52,7 +53,7 @@ from fedcluster.engine.robust import Aggregator
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.metrics import accuracy_columns, cluster_columns, honest_accuracy
-from fedcluster.models import build_model, check_rows_fit
+from fedcluster.models import build_model, check_rows_fit, kept_row, refuse_frozen
 from fedcluster.plugins import import_object
 from fedcluster.privacy import LocalDP, reported_epsilon
 from fedcluster.provenance import data_record, run_record
@@ -185,7 +186,14 @@ class Experiment:
         # config.yaml: how to rebuild the model, the data and the loss
         self.config = record_given(config, model, federation, loss)
         self._model = model
-        self._federation = federation
+        if model is not None:
+            refuse_frozen(model, "model")
+        self._kept = kept_row(model, config.model.init)
+        self._federation = (
+            None
+            if federation is None
+            else screen_clients(check_given(federation), config.data.bad_clients)
+        )
         self.callbacks = list(callbacks)
         if loss is not None and backend_factory is not None:
             raise ConfigError(
@@ -217,6 +225,7 @@ class Experiment:
         if self._model is not None:
             return self._model
         model = model_for(self.config, federation)
+        refuse_frozen(model, f"model.name {self.config.model.name!r}")
         check_rows_fit(self.config.model.name, model, rows=federation.n_clients + 1)
         return model
 
@@ -276,9 +285,12 @@ class Experiment:
         """What every job of a seed shares: (federation, model, initial row), and the
         seed's scenario."""
         cfg = self.config
+        check_cluster_counts(cfg, federation.n_clients)
+        check_batch_plans(cfg, federation.train_sizes)
         model = self.model(federation)
         scenario = Scenario(cfg.scenario, federation.n_clients, seed, cfg.rounds)
-        return (federation, model, init_row(model, seed, "init")), scenario
+        start = init_row(model, seed, "init") if self._kept is None else self._kept.clone()
+        return (federation, model, start), scenario
 
 
 class BackendFactory(Protocol):

@@ -30,9 +30,10 @@ def _refused(path: Path, exc: OSError) -> FedclusterError:
 
 
 def open_fd(path: Path, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` of ``path`` that refuses a symlink or a non-regular file."""
+    """``os.open`` of ``path`` that refuses a symlink or a non-regular file; a FIFO is
+    opened without blocking (``O_NONBLOCK``, which a regular file ignores) and refused."""
     try:
-        fd = os.open(path, flags | _NOFOLLOW, mode)
+        fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             raise _refused(path, exc) from None
@@ -53,7 +54,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``path`` through ``<path>.tmp`` (created exclusively) and a rename.
 
     On any failure (a full disk: ``ENOSPC``) the temporary is removed and ``path``
-    keeps its previous content.
+    keeps its previous content; an ``OSError`` names ``path``.
     """
     blob = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(path.name + ".tmp")
@@ -71,8 +72,10 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # os.write names no file
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
 
 
@@ -81,6 +84,8 @@ def append(path: Path, text: str) -> None:
     fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         _write_all(fd, text.encode())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     finally:
         os.close(fd)
 

@@ -116,7 +116,8 @@ def loads(text: str, source: str) -> Any:
 def read_text(path: Path, what: str, limit: int = MAX_BYTES) -> str:
     """A small regular text file's content; one-line :class:`ConfigError` otherwise."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO would wait for a writer; a regular file ignores it
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ConfigError(f"{what} {path} is not a regular file")
             data = f.read(limit + 1)

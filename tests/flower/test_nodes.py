@@ -366,7 +366,7 @@ def test_discovery_names_missing_and_doubly_held_clients(tmp_path):
     ]
     with pytest.raises(FlowerClientError, match=r"clients \[2, 3\] .*node 101: timeout"):
         discover(LocalGrid(nodes, down={101}), text, 0, timeout=0.2)
-    with pytest.raises(FlowerClientError, match="client 0 is held by nodes 100 and 103"):
+    with pytest.raises(FlowerClientError, match="client 0 is claimed by nodes 100 and 103"):
         discover(LocalGrid({**nodes, 103: nodes[100]}), text, 0)
     with pytest.raises(FlowerClientError, match="exported for seed 0, the run asks for seed 1"):
         discover(LocalGrid(nodes), text, 1)

@@ -1143,6 +1143,12 @@ def make_partition(
     for key in options:
         if key not in allowed:
             raise ConfigError(f"partition {name!r} has no option {key!r}; allowed: {allowed}")
+    n = options.get("n_clients")
+    if isinstance(n, int) and not isinstance(n, bool) and n > len(y_train):
+        raise ConfigError(
+            f"data.partition.n_clients: {n:,} clients for {len(y_train):,} training samples; "
+            "each client needs at least one"
+        )
     test = {TEST_OPTIONS[k]: options.pop(k) for k in list(options) if k in TEST_OPTIONS}
     if test:
         options["test"] = ClientTestSpec(**test)

@@ -35,6 +35,11 @@ vocabulary size; 1e6 leaves room for a user's own features while a first layer's
 a few thousand such values stays far inside float32."""
 SHOWN = 5
 """Bad clients named in a message (then a count of the others)."""
+MAX_CLASSES = 100_000
+"""The most classes a federation may have (ImageNet-21k has 21,841): the model's output
+layer is built from it."""
+MAX_FEATURES = 2**24
+"""The most input values per sample (16.7 M: 3 × 2,365² pixels)."""
 
 
 def clients_with(bad_rows: torch.Tensor, offsets: np.ndarray) -> np.ndarray:
@@ -78,6 +83,20 @@ def bad_samples(
     if y is not None:
         found.append((f"{split} labels outside 0..{n_classes - 1}", (y < 0) | (y >= n_classes)))
     return found
+
+
+def check_given(federation: Federation) -> Federation:
+    """A federation passed from Python, checked where a file's loader would have: integer
+    labels (float labels would be truncated) and 1..:data:`MAX_CLASSES` classes; its
+    clients are then screened like a file's (:func:`screen_clients`)."""
+    if not 1 <= int(federation.n_classes) <= MAX_CLASSES:
+        raise DataError(f"federation: n_classes is {federation.n_classes}, not in 1..{MAX_CLASSES}")
+    for split, y in (("train", federation.y_train), ("test", federation.y_test)):
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise DataError(
+                f"federation: its {split} labels are {y.dtype}, not integers (class indices)"
+            )
+    return federation
 
 
 def screen_clients(federation: Federation, policy: BadClients) -> Federation:

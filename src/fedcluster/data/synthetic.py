@@ -24,8 +24,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedcluster.data.screen import MAX_CLASSES, MAX_FEATURES
 from fedcluster.errors import ConfigError
+from fedcluster.limits import MAX_COUNT
+from fedcluster.memory import allowed_bytes
 from fedcluster.rng import numpy_rng
+
+MAX_SPREAD = 1e3
+"""Largest ``alpha`` / ``beta``: the spread of the clients' models and inputs (the papers
+use 0..1; beyond 1e3 the inputs leave the data screen's ±1e6)."""
+MEAN_CLIENT_SIZE = 453
+"""Mean samples per client: ⌊lognormal(4, 2)⌋ + 50 has mean e^(4 + 2²/2) + 50 ≈ 453."""
+
+
+def synthetic_bytes(n_clients: int, n_features: int, n_classes: int) -> int:
+    """Expected memory of a synthetic federation: float32 inputs and int64 labels of the
+    mean client size, and each client's float64 model and input mean drawn on the way."""
+    per_client = MEAN_CLIENT_SIZE * (4 * n_features + 8) + 8 * (n_features + 1) * (n_classes + 1)
+    return n_clients * per_client
 
 
 def synthetic_federation(
@@ -44,22 +60,37 @@ def synthetic_federation(
         ConfigError: a count is not a positive integer (``n_classes``: >= 2),
             ``alpha`` or ``beta`` is not a number >= 0, or ``iid`` is not a bool.
     """
-    for field, value, low in (
-        ("n_clients", n_clients, 1),
-        ("n_features", n_features, 1),
-        ("n_classes", n_classes, 2),
+    for field, value, low, high in (
+        ("n_clients", n_clients, 1, MAX_COUNT),
+        ("n_features", n_features, 1, MAX_FEATURES),
+        ("n_classes", n_classes, 2, MAX_CLASSES),
     ):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-            raise ConfigError(f"synthetic: {field} must be an integer >= {low}, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | np.integer)
+            or not low <= value <= high
+        ):
+            raise ConfigError(
+                f"synthetic: {field} must be an integer in {low}..{high}, got {value!r}"
+            )
     for field, value in (("alpha", alpha), ("beta", beta)):
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float | np.integer | np.floating)
-            or not value >= 0
+            or not 0 <= value <= MAX_SPREAD
         ):
-            raise ConfigError(f"synthetic: {field} must be a number >= 0, got {value!r}")
+            raise ConfigError(
+                f"synthetic: {field} must be a number in 0..{MAX_SPREAD:g}, got {value!r}"
+            )
     if not isinstance(iid, bool):
         raise ConfigError(f"synthetic: iid must be true or false, got {iid!r}")
+    need = synthetic_bytes(int(n_clients), int(n_features), int(n_classes))
+    if need > allowed_bytes():
+        raise ConfigError(
+            f"synthetic: {n_clients:,} clients of {n_features:,} features need about "
+            f"{need / 2**30:.1f} GiB (mean client size {MEAN_CLIENT_SIZE}), more than the "
+            f"{allowed_bytes() / 2**30:.1f} GiB this process may allocate"
+        )
     std_x = np.arange(1, n_features + 1, dtype=np.float64) ** -0.6  # sqrt(j^-1.2)
     if iid:
         shared = numpy_rng(seed, "synthetic")

@@ -177,7 +177,7 @@ EVALUATE = register_computation(
         name="evaluate",
         reply={
             "correct": ReplyField((), dtype=torch.int64),
-            "count": ReplyField((), dtype=torch.int64),
+            "count": ReplyField((), dtype=torch.int64, samples=True),
             "loss_sum": ReplyField((), dtype=torch.float64),
         },
         batched_run=_evaluate,
@@ -205,7 +205,7 @@ EVALUATE_MODELS = register_computation(
         name="evaluate_models",
         reply={
             "correct": ReplyField(n_models, dtype=torch.int64),
-            "count": ReplyField((), dtype=torch.int64),
+            "count": ReplyField((), dtype=torch.int64, samples=True),
             "loss_sum": ReplyField(n_models, dtype=torch.float64),
         },
         batched_run=_evaluate_models,

@@ -146,13 +146,17 @@ class ReplyField:
     deployment would not need (e.g. the training loss reported in metrics).
     ``dtype`` is what the field travels as; a ``finite`` field with NaN or Inf
     gets the reply rejected (instrumentation such as an empty client's NaN loss
-    is not checked).
+    is not checked). A ``samples`` field reports the client's sample count of the
+    request's split (setting ``split``, default ``test``): a server that knows the
+    client's sizes (Flower: :func:`fedcluster.flower.verify.wrong_count`) rejects a
+    reply whose count differs.
     """
 
     shape: tuple[int, ...] | Callable[[Request], tuple[int, ...]]
     counted: bool = True
     dtype: torch.dtype = torch.float32
     finite: bool = True
+    samples: bool = False
 
     def shape_for(self, request: Request) -> tuple[int, ...]:
         return self.shape(request) if callable(self.shape) else tuple(self.shape)

@@ -66,8 +66,34 @@ def resolve_loss(name: str) -> LossFn | None:
 
 
 def loss_or_default(loss: LossFn | None) -> LossFn:
-    """``loss``, or cross-entropy where it is ``None``."""
-    return F.cross_entropy if loss is None else loss
+    """``loss`` under its contract (:class:`CheckedLoss`), or cross-entropy where it is
+    ``None``."""
+    return F.cross_entropy if loss is None else CheckedLoss(loss)
+
+
+class CheckedLoss:
+    """A user's loss function whose every result must be a floating-point tensor of one
+    value (NaN allowed: the server rejects the client's non-finite upload); anything else
+    is a :class:`ConfigError` naming the function and what it returned, not a traceback
+    from autograd or a string written into metrics.csv."""
+
+    def __init__(self, loss: LossFn) -> None:
+        self.loss = loss
+        self.name = getattr(loss, "__qualname__", None) or repr(loss)
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = self.loss(logits, targets)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() != 1:
+            what = (
+                f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+                if isinstance(out, torch.Tensor)
+                else f"{type(out).__name__} {repr(out)[:60]}"
+            )
+            raise ConfigError(
+                f"train.loss: {self.name} returned {what}, not a floating-point tensor of one "
+                "value (the mean loss)"
+            )
+        return out
 
 
 @contextmanager

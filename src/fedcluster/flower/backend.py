@@ -18,13 +18,16 @@ ids, their sample counts (for sample-weighted averaging), the ground-truth
 group where the node knows one (for purity), the data shape (to build the
 model) and each client file's SHA-256 -- or, given the server's copy of the
 export's manifest, through that manifest, against which the nodes' hashes are
-checked. A client the node cannot serve (its data file is corrupt, or differs
-from the server's manifest) is logged with the reason and stays in the
-federation, but is out of reach: never asked, not available for selection,
-a ``failed`` client of every request that names it, as the simulator's
-failing clients are. The clients of a node that is lost (reported offline by
-the SuperLink, or silent past the timeout) are out of reach until a
-rediscovery finds the node again (:class:`Fleet`,
+checked. Nothing a node reports is used before :mod:`fedcluster.flower.verify`
+checks it: a node whose report is malformed, out of bounds or in conflict with
+the manifest or the other nodes is refused (``refused`` events), and a reply
+whose sample count differs from the agreed one is rejected. A client the node
+cannot serve (its data file is corrupt, or differs from the server's manifest)
+is logged with the reason and stays in the federation, but is out of reach:
+never asked, not available for selection, a ``failed`` client of every
+request that names it, as the simulator's failing clients are. The clients
+of a node that is lost (reported offline by the SuperLink, or silent past the
+timeout) are out of reach until a rediscovery finds the node again (:class:`Fleet`,
 :meth:`FlowerBackend.rediscover`: at every round start and end and before
 every request, never waiting): ``rejoined`` or ``joined`` events.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -52,14 +56,16 @@ from fedcluster.engine.computation import (
     assemble,
 )
 from fedcluster.engine.flat import ParamLayout
+from fedcluster.errors import FedclusterError
 from fedcluster.flower import protocol
 from fedcluster.flower.collect import Collected, TooFewReplies, check_enough, collect, required
 from fedcluster.flower.nodedata import NodeManifest
+from fedcluster.flower.verify import BadReport, SetupReport, replies_of, setup_report, wrong_count
 
 log = logging.getLogger(__name__)
 
 
-class FlowerClientError(RuntimeError):
+class FlowerClientError(FedclusterError, RuntimeError):
     """A node failed to answer a request."""
 
 
@@ -76,6 +82,9 @@ class FederationInfo:
     """Client -> why it is out of reach at discovery (its node's ``query.setup`` error,
     e.g. a corrupt data file; a hash that differs from the server's manifest; no node
     serving it): the seed's :class:`Fleet` starts from it."""
+    refused: dict[int, tuple[list[int], str]] = field(default_factory=dict)
+    """Node -> (the federation's clients it claimed, why it is left out): its report
+    failed the server's checks (:mod:`fedcluster.flower.verify`)."""
 
     @property
     def n_clients(self) -> int:
@@ -114,27 +123,23 @@ def _setup_messages(nodes: list[int], experiment: str, seed: int) -> list[Messag
     ]
 
 
-def _setup_reply(reply: Message) -> tuple[dict, list[tuple[int, dict]]]:
-    """A node's ``query.setup`` reply: its settings and its clients (id, what the node
-    reports of it)."""
-    info = protocol.settings(reply.content)
-    clients = []
-    for j, c in enumerate(info[protocol.CLIENTS]):
-        head = protocol.prefix(j)
-        clients.append((int(c), {k[len(head) :]: v for k, v in info.items() if k.startswith(head)}))
-    return dict(info.items()), clients
-
-
 def _ask_setup(
     grid: Grid, nodes: list[int], experiment: str, seed: int, timeout: float | None
-) -> tuple[Collected, dict[int, tuple[dict, list[tuple[int, dict]]]]]:
-    """``query.setup`` of ``nodes``: per node that answered, its settings and its
-    clients (id, what the node reports of it)."""
+) -> tuple[Collected, dict[int, SetupReport], dict[int, str]]:
+    """``query.setup`` of ``nodes``: per node that answered, its checked report; per
+    node whose reply is unusable, why (:func:`~fedcluster.flower.verify.setup_report`)."""
     messages = _setup_messages(nodes, experiment, seed)
     got = collect(
         grid, messages, nodes, timeout, None, what=protocol.SETUP, name=lambda n: f"node {n}"
     )
-    return got, {int(node): _setup_reply(reply) for node, reply in got.replies.items()}
+    reports: dict[int, SetupReport] = {}
+    refused: dict[int, str] = {}
+    for node, reply in got.replies.items():
+        try:
+            reports[int(node)] = setup_report(reply.content)
+        except BadReport as exc:
+            refused[int(node)] = str(exc)
+    return got, reports, refused
 
 
 def refusal(client: int, node: int, one: Mapping, expected: NodeManifest | None) -> str | None:
@@ -156,6 +161,70 @@ def refusal(client: int, node: int, one: Mapping, expected: NodeManifest | None)
     return None
 
 
+def _majority(values: dict[int, object], what: str) -> object:
+    """The value most nodes report (``values``: node -> value); one line when two
+    values are reported by equally many nodes."""
+    counts = Counter(values.values()).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        raise FlowerClientError(
+            f"{protocol.SETUP}: as many nodes report {what} {counts[0][0]} as "
+            f"{counts[1][0]}; give every node data of the same federation"
+        )
+    return counts[0][0]
+
+
+def _refuse_dissenters(
+    reports: dict[int, SetupReport], refused: dict[int, str], expected: NodeManifest | None
+) -> tuple[int | None, tuple[int, tuple[int, ...]] | None]:
+    """The federation's size and ``(n_classes, input_shape)``: the server's manifest's,
+    else what most nodes report; a node reporting others, a client id outside the
+    federation (or the manifest), or a client another node claims too is moved from
+    ``reports`` to ``refused`` (why)."""
+    totals = {node: r.n_clients for node, r in reports.items() if r.n_clients != -1}
+    shapes = {node: r.shape for node, r in reports.items() if r.shape is not None}
+    if expected is not None:
+        n = expected.n_clients or len(expected.clients)
+        shape = (expected.n_classes, expected.input_shape)
+    else:
+        n = _majority(totals, "a federation of") if totals else None
+        shape = _majority(shapes, "(n_classes, input_shape)") if shapes else None
+    for node, report in list(reports.items()):
+        foreign = [c for c in report.ids if n is not None and c >= n]
+        if expected is not None:
+            foreign = [c for c in report.ids if c not in expected.clients]
+        if node in totals and totals[node] != n:
+            refused[node] = f"it reports a federation of {totals[node]} clients, not {n}"
+        elif node in shapes and shapes[node] != shape:
+            refused[node] = f"it reports (n_classes, input_shape) {shapes[node]}, not {shape}"
+        elif foreign:
+            refused[node] = f"it claims clients {foreign}, not in the federation"
+    claims: dict[int, list[int]] = {}
+    for node, report in reports.items():
+        if node not in refused:
+            for c in report.ids:
+                claims.setdefault(c, []).append(node)
+    for c, holders in sorted(claims.items()):
+        if len(holders) < 2:
+            continue
+        # with the server's manifest, the one node holding the exported file keeps it
+        good = [
+            node
+            for node in holders
+            if refusal(c, node, dict(reports[node].clients)[c], expected) is None
+        ]
+        keep = good[0] if expected is not None and len(good) == 1 else None
+        for node in holders:
+            if node != keep:
+                refused.setdefault(
+                    node,
+                    f"client {c} is claimed by nodes {' and '.join(map(str, holders))}; "
+                    "give each client's data to one node",
+                )
+    for node in refused:
+        reports.pop(node, None)
+    return n, shape
+
+
 def discover(
     grid: Grid,
     experiment: str,
@@ -165,8 +234,15 @@ def discover(
 ) -> tuple[FederationInfo, dict[int, int]]:
     """Ask every connected node which clients it holds; the federation and client → node map.
 
+    Every node's report is checked (:func:`~fedcluster.flower.verify.setup_report`).
+    A node whose reply is malformed, that reports another federation size or
+    data shape than the server's manifest (without one: than most nodes), that
+    claims a client id outside the federation, or a client another node claims
+    too, is refused: logged with the reason, left out
+    (:attr:`FederationInfo.refused`), never the end of the run by itself.
+
     Without ``expected`` (the server's manifest of the export) every client id
-    0..n−1 must be held by exactly one node that answered (n: the federation's
+    0..n−1 must then be held by exactly one node that answered (n: the federation's
     size the nodes' manifests give, else the ids reported). With it, the
     federation is the manifest's, and a client no node serves yet is unavailable
     ("no node serves it"): its node may connect later
@@ -178,21 +254,15 @@ def discover(
     """
     nodes = connected_nodes(grid)
     what = protocol.SETUP
-    got, answered = _ask_setup(grid, nodes, experiment, seed, timeout)
+    got, reports, refused = _ask_setup(grid, nodes, experiment, seed, timeout)
+    claimed = {node: [c for c, _ in r.clients] for node, r in reports.items()}
+    total, shape = _refuse_dissenters(reports, refused, expected)
+    for node, reason in refused.items():
+        log.warning("%s: node %s is refused and left out: %s", what, node, reason)
     held: dict[int, tuple[int, dict]] = {}
-    totals: set[int] = set()
-    shape: tuple[int, tuple[int, ...]] | None = None
     unavailable: dict[int, str] = {}
-    for node, (info, clients) in answered.items():
-        totals.add(int(info["n_clients"]))
-        if "n_classes" in info:
-            shape = shape or (int(info["n_classes"]), tuple(int(s) for s in info["input_shape"]))
-        for c, one in clients:
-            if c in held:
-                raise FlowerClientError(
-                    f"client {c} is held by nodes {held[c][0]} and {node}; "
-                    "give each client's data to one node"
-                )
+    for node, report in reports.items():
+        for c, one in report.clients:
             held[c] = (node, one)
             reason = refusal(c, node, one, expected)
             if reason is not None:
@@ -205,22 +275,17 @@ def discover(
                     node,
                     reason,
                 )
-    totals.discard(-1)
-    if expected is not None:
-        totals = {expected.n_clients or len(expected.clients)}
-        shape = (expected.n_classes, expected.input_shape)
-    if len(totals) > 1:
-        raise FlowerClientError(
-            f"the nodes' data come from federations of {sorted(totals)} clients"
-        )
-    n = totals.pop() if totals else len(held)
+    n = len(held) if total is None else total
     missing = sorted(set(range(n)) - set(held))
     extra = sorted(set(held) - set(range(n)))
-    lost = "; ".join(f"node {k}: {r}" for k, r in got.failures.items()) or "none"
+    lost = "; ".join(
+        [f"node {k}: {r}" for k, r in got.failures.items()]
+        + [f"node {k} refused: {r}" for k, r in refused.items()]
+    )
     if extra or shape is None or (missing and expected is None):
         raise FlowerClientError(
             f"clients {missing or extra} of 0..{n - 1} are held by no node that answered "
-            f"{what} (nodes that failed: {lost})"
+            f"{what} (nodes that failed: {lost or 'none'})"
         )
     if missing:
         log.warning(
@@ -228,7 +293,7 @@ def discover(
             "they fail every request until their node connects",
             what,
             ", ".join(map(str, missing)),
-            lost,
+            lost or "none",
         )
     if expected is not None:
         info = [expected.clients[c] for c in range(n)]
@@ -243,6 +308,10 @@ def discover(
         n_classes=shape[0],
         input_shape=shape[1],
         unavailable=dict(sorted(unavailable.items())),
+        refused={
+            node: ([c for c in claimed.get(node, []) if 0 <= c < n], reason)
+            for node, reason in sorted(refused.items())
+        },
     )
     return federation, {c: held[c][0] for c in range(n) if c in held}
 
@@ -262,6 +331,9 @@ class Fleet:
     """Nodes that answered ``query.setup`` and were not lost since."""
     seen: set[int] = field(default_factory=set)
     """Clients some node has served in this seed (a returning one has ``rejoined``)."""
+    refused: dict[int, tuple[list[int], str]] = field(default_factory=dict)
+    """Node -> (the federation's clients it claimed, why it is left out for the seed):
+    its report failed the server's checks (:mod:`fedcluster.flower.verify`)."""
     round_trip: float = 0.0
     """The slowest round trip measured so far (seconds)."""
     probes: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -325,20 +397,29 @@ class FlowerBackend(ClientClock):
         self.replied: set[int] = set()
         self.round = 0
         """The round running now (for the log)."""
-        self.found: list[tuple[int, str, str]] = []
-        """Events of clients back since the last :meth:`start_round` / :meth:`end_round`."""
+        self.found: list[tuple[int, str, str]] = [
+            (c, "refused", f"node {node}: {reason}")
+            for node, (clients, reason) in fleet.refused.items()
+            for c in clients or [-1]
+        ]
+        """Events of clients back (or nodes refused) since the last :meth:`start_round` /
+        :meth:`end_round`; the job's first round starts with the nodes refused so far
+        in the seed."""
 
     @property
     def timeout(self) -> float:
         """Seconds a request waits: ``deployment.round_timeout`` when set, else
         ``timeout_factor`` × the slowest round trip measured so far, at least
-        ``timeout_floor`` (before any is measured: ``FIRST_TIMEOUT_FLOORS`` floors)."""
+        ``timeout_floor`` (before any is measured: ``FIRST_TIMEOUT_FLOORS`` floors) and
+        at most ``timeout_ceiling``: a node answering ever slower is lost once it
+        passes the ceiling instead of stretching every round."""
         d = self.deployment
         if d.round_timeout is not None:
             return d.round_timeout
         if not self.fleet.round_trip:
-            return FIRST_TIMEOUT_FLOORS * d.timeout_floor
-        return max(d.timeout_floor, d.timeout_factor * self.fleet.round_trip)
+            return min(d.timeout_ceiling, FIRST_TIMEOUT_FLOORS * d.timeout_floor)
+        measured = max(d.timeout_floor, d.timeout_factor * self.fleet.round_trip)
+        return min(d.timeout_ceiling, measured)
 
     def _measured(self, got: Collected) -> None:
         self.fleet.round_trip = max(self.fleet.round_trip, got.seconds)
@@ -425,13 +506,35 @@ class FlowerBackend(ClientClock):
                     " ".join(str(reply.error.reason).split()),
                 )
                 continue
-            self._back(int(node), _setup_reply(reply)[1])
+            try:
+                report = setup_report(reply.content)
+            except BadReport as exc:
+                self._refuse(int(node), [], str(exc))
+                continue
+            self._back(int(node), report)
 
-    def _back(self, node: int, clients: list[tuple[int, dict]]) -> None:
+    def _refuse(self, node: int, clients: list[int], reason: str) -> None:
+        """Leave ``node`` out for the rest of the seed (its report failed the server's
+        checks): logged, a ``refused`` event per client of the federation it claimed
+        (client -1 when none)."""
+        self.fleet.answered.add(node)
+        self.fleet.refused[node] = (clients, reason)
+        log.warning("round %d: node %s is refused and left out: %s", self.round, node, reason)
+        self.found += [(c, "refused", f"node {node}: {reason}") for c in clients or [-1]]
+
+    def _back(self, node: int, report: SetupReport) -> None:
         """Take in ``node``'s answer to a rediscovery: its clients' events into
-        :attr:`found`."""
-        fleet, rnd = self.fleet, self.round
-        for c, one in clients:
+        :attr:`found`. A node reporting another federation size or data shape than
+        agreed at discovery is refused."""
+        fleet, rnd, fed = self.fleet, self.round, self.federation
+        mine = [c for c in report.ids if 0 <= c < fed.n_clients]
+        if report.n_clients not in (-1, fed.n_clients):
+            self._refuse(node, mine, f"it reports a federation of {report.n_clients} clients")
+            return
+        if report.shape not in (None, (fed.n_classes, fed.input_shape)):
+            self._refuse(node, mine, f"it reports (n_classes, input_shape) {report.shape}")
+            return
+        for c, one in report.clients:
             if not 0 <= c < self.federation.n_clients:
                 log.warning(
                     "round %d: node %s holds client %s, not in the federation", rnd, node, c
@@ -541,23 +644,38 @@ class FlowerBackend(ClientClock):
                 ", ".join(str(c) for c, n in fleet.nodes.items() if n == node),
                 got.failures[node],
             )
+        refused: dict[int, str] = {}
         for node, positions in by_node.items():
+            answers: list[Payload | str] = [got.failures.get(node, "")] * len(positions)
             if node in got.replies:
-                answers = protocol.decode_replies(got.replies[node].content, len(positions))
-            else:
-                answers = [got.failures[node]] * len(positions)
+                try:
+                    answers = replies_of(got.replies[node].content, len(positions))
+                except BadReport as exc:
+                    refused.update({i: f"node {node}: {exc}" for i in positions})
             for i, answer in zip(positions, answers, strict=True):
                 replies[i] = answer
+                if i in refused:
+                    continue
                 if isinstance(answer, str) and node in got.replies:
                     log.warning("%s: client %d failed: %s", what, clients[i], answer)
+                elif not isinstance(answer, str):
+                    wrong = wrong_count(computation, request, i, answer, self._sizes(clients[i]))
+                    if wrong:
+                        refused[i] = f"node {node}: {wrong}"
         self.asked.update(int(c) for c in clients)
         self.replied.update(
-            int(c) for c, r in zip(clients, replies, strict=True) if not isinstance(r, str)
+            int(clients[i])
+            for i, r in enumerate(replies)
+            if not isinstance(r, str) and i not in refused
         )
         live = [
             i for node, positions in by_node.items() if node not in fleet.lost for i in positions
         ]
-        failures = {int(clients[i]): replies[i] for i in live if isinstance(replies[i], str)}
+        failures = {
+            int(clients[i]): refused.get(i) or replies[i]
+            for i in live
+            if isinstance(replies[i], str) or i in refused
+        }
         check_enough(
             what,
             len(live),
@@ -574,4 +692,15 @@ class FlowerBackend(ClientClock):
                 f"(deployment.min_replies={self.deployment.min_replies:g}); missing: "
                 + describe_missing(missing)
             )
-        return assemble(computation, request, replies)
+        for i in refused:
+            replies[i] = None
+        returned = assemble(computation, request, replies)
+        for i, reason in refused.items():
+            returned.failed.pop(i, None)
+            returned.malformed[i] = reason
+        return returned
+
+    def _sizes(self, client: int) -> dict[str, int]:
+        """The client's sample counts agreed at setup, by split."""
+        fed = self.federation
+        return {"train": int(fed.train_sizes[client]), "test": int(fed.test_sizes[client])}

@@ -100,13 +100,15 @@ class FlowerBackends:
     def federation(self, seed: int) -> FederationInfo:
         timeout = self.deployment.round_timeout
         if timeout is None:
-            timeout = FIRST_TIMEOUT_FLOORS * self.deployment.timeout_floor
+            d = self.deployment
+            timeout = min(d.timeout_ceiling, FIRST_TIMEOUT_FLOORS * d.timeout_floor)
         info, nodes = discover(self.grid, self._text, seed, timeout, self.expected)
         self._fleets[seed] = Fleet(
             nodes,
             dict(info.unavailable),
-            answered=set(nodes.values()),
+            answered=set(nodes.values()) | set(info.refused),
             seen={c for c in nodes if c not in info.unavailable},
+            refused=dict(info.refused),
         )
         n = info.n_clients
         missing = self._fleets[seed].missing(n)

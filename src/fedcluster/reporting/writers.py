@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 from pathlib import Path
 
 from fedcluster.report import format_table
 from fedcluster.reporting.document import Section
+from fedcluster.safefiles import write_atomic
 
 _CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em;
@@ -64,7 +64,7 @@ def write_html(path: Path, title: str, subtitle: str, sections: list[Section]) -
             parts.append(f"<pre>{html.escape(s.code)}</pre>")
         parts.append("</section>")
     parts.append("</body></html>\n")
-    _atomic_write(path, "\n".join(parts).encode())
+    write_atomic(path, "\n".join(parts).encode())
 
 
 def write_markdown(path: Path, title: str, subtitle: str, sections: list[Section]) -> None:
@@ -77,7 +77,7 @@ def write_markdown(path: Path, title: str, subtitle: str, sections: list[Section
             lines += [s.text, ""]
         if s.image is not None:
             plots.mkdir(parents=True, exist_ok=True)
-            _atomic_write(plots / f"{s.key}.png", s.image)
+            write_atomic(plots / f"{s.key}.png", s.image)
             lines += [f"![{s.title}](plots/{s.key}.png)", ""]
         for caption, rows in s.tables:
             if caption:
@@ -85,10 +85,4 @@ def write_markdown(path: Path, title: str, subtitle: str, sections: list[Section
             lines += [format_table(rows), ""]
         if s.code is not None:
             lines += ["```yaml", s.code.rstrip("\n"), "```", ""]
-    _atomic_write(path, "\n".join(lines).encode())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(path, "\n".join(lines).encode())
