@@ -197,6 +197,7 @@ def test_the_flower_app_names_fedclusters_apps_and_its_run_config(exported, tmp_
     assert run["config"] == "experiment.yaml" and run["out"] == str(Path("runs/x").absolute())
     assert run["round-timeout"] == "auto" and run["min-replies"] == 0.75
     assert run["timeout-floor"] == 30.0 and run["timeout-factor"] == 3.0
+    assert run["timeout-ceiling"] == 600.0
     assert run["manifest"] == "manifest.json"
     assert (folder / "manifest.json").read_bytes() == manifest.path.read_bytes()
     # the ServerApp's view: paths relative to the app folder, settings into `deployment`

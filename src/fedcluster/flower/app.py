@@ -20,7 +20,8 @@ Run config keys (override with ``flwr run DIR <superlink> -c 'key=value'``):
 - ``manifest``: the server's copy of the export's ``manifest.json`` (relative
   to the app folder, or absolute; empty: none), against which each node's
   reported file hashes are checked;
-- ``round-timeout``, ``timeout-floor``, ``timeout-factor``, ``min-replies``:
+- ``round-timeout``, ``timeout-floor``, ``timeout-factor``, ``timeout-ceiling``,
+  ``min-replies``:
   the experiment's ``deployment`` settings (``round-timeout = "auto"``: the
   measured timeout), written out explicitly; a value given here wins over the
   YAML's.
@@ -82,6 +83,7 @@ def app_pyproject(
         "round-timeout": "auto" if deployment.round_timeout is None else deployment.round_timeout,
         "timeout-floor": deployment.timeout_floor,
         "timeout-factor": deployment.timeout_factor,
+        "timeout-ceiling": deployment.timeout_ceiling,
         "min-replies": deployment.min_replies,
     }
     lines = [
@@ -158,6 +160,7 @@ _DEPLOYMENT_KEYS = {
     "round-timeout": "round_timeout",
     "timeout-floor": "timeout_floor",
     "timeout-factor": "timeout_factor",
+    "timeout-ceiling": "timeout_ceiling",
     "min-replies": "min_replies",
 }
 
