@@ -70,4 +70,5 @@ def test_resuming_an_older_checkpoint_is_one_line_and_keeps_the_run(tmp_path):
     message = str(caught.value)
     assert "\n" not in message and str(path) in message
     assert "checkpoint written by an older fedcluster: state field 'repair_splits'" in message
+    assert message.endswith("delete it to restart that job from round 1")
     assert (out / "metrics.csv").read_bytes() == metrics  # nothing already written is lost

@@ -425,7 +425,9 @@ class Job:
         try:
             state = self.algorithm.StateType.from_record(ckpt.state)
         except (KeyError, TypeError, ValueError) as exc:
-            raise FedclusterError(f"checkpoint {path}: {exc}") from None
+            raise FedclusterError(
+                f"{path}: {exc}; delete it to restart that job from round 1"
+            ) from None
         return ckpt, state
 
     def _restore(self, rundir: RunDirectory) -> State | None:

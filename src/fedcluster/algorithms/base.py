@@ -84,13 +84,13 @@ class State:
         if gone:
             raise ValueError(
                 f"checkpoint written by an older fedcluster: state field {gone[0]!r} is no "
-                f"longer part of a {cls.__name__}; start the job afresh (without --resume)"
+                f"longer part of a {cls.__name__}"
             )
         missing = sorted(f.name for f in fields(cls) if _required(f) and f.name not in stored)
         if missing:
             raise ValueError(
                 f"checkpoint written by an older fedcluster: state field {missing[0]!r} of a "
-                f"{cls.__name__} is missing; start the job afresh (without --resume)"
+                f"{cls.__name__} is missing"
             )
         return cls(**{k: _decode(v) for k, v in stored.items()})
 
