@@ -51,13 +51,13 @@ def synthetic_federation(
     ):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
             raise ConfigError(f"synthetic: {field} must be an integer >= {low}, got {value!r}")
-    for field, value in (("alpha", alpha), ("beta", beta)):
+    for field, number in (("alpha", alpha), ("beta", beta)):
         if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float | np.integer | np.floating)
-            or not value >= 0
+            isinstance(number, bool)
+            or not isinstance(number, int | float | np.integer | np.floating)
+            or not number >= 0
         ):
-            raise ConfigError(f"synthetic: {field} must be a number >= 0, got {value!r}")
+            raise ConfigError(f"synthetic: {field} must be a number >= 0, got {number!r}")
     if not isinstance(iid, bool):
         raise ConfigError(f"synthetic: iid must be true or false, got {iid!r}")
     std_x = np.arange(1, n_features + 1, dtype=np.float64) ** -0.6  # sqrt(j^-1.2)
