@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from fedcluster.algorithms import ALGORITHMS
-from fedcluster.algorithms.base import register
+from fedcluster.algorithms.base import Algorithm, algorithm_class, register
 from fedcluster.algorithms.fedavg import FedAvg
 from fedcluster.catalog import format_sections
 from fedcluster.cli import main
@@ -211,3 +211,12 @@ def test_unknown_and_unimportable_names_are_one_line_errors(plugin_dir):
         with pytest.raises(ConfigError, match=message) as err:
             Experiment(config)
         assert "\n" not in str(err.value)
+
+
+def test_an_algorithm_that_declares_no_params_class_is_named(monkeypatch):
+    bare = type("Bare", (Algorithm,), {"name": "bare"})
+    monkeypatch.setitem(ALGORITHMS, "bare", bare)
+    with pytest.raises(
+        ConfigError, match=r"field 'algorithms.0.name': 'bare' \(.*Bare\) declares no Params class"
+    ):
+        algorithm_class("bare", "algorithms.0")

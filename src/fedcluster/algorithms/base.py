@@ -467,6 +467,12 @@ def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm[Any,
             f"field '{where}.name': {name!r} is {cls!r}, not a subclass of "
             "fedcluster.algorithms.base.Algorithm"
         )
+    for declared in ("Params", "StateType"):
+        if not hasattr(cls, declared):
+            raise ConfigError(
+                f"field '{where}.name': {name!r} ({cls.__module__}.{cls.__qualname__}) "
+                f"declares no {declared} class"
+            )
     return cls
 
 
