@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from fedcluster.algorithms import ALGORITHMS
-from fedcluster.algorithms.base import register
+from fedcluster.algorithms.base import Algorithm, algorithm_class, register
 from fedcluster.algorithms.fedavg import FedAvg
 from fedcluster.catalog import format_sections
 from fedcluster.cli import main
@@ -30,13 +30,19 @@ from tests.helpers import digits_config
 # which is what the runs below check against the built-in fedavg.
 PLUGIN = '''
 """A user's method, outside fedcluster."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    weighted_loss,
+)
 from fedcluster.engine.flat import weighted_average
 
 
@@ -50,7 +56,7 @@ class MomentumParams(AlgorithmParams):
     beta: float = Field(0.9, ge=0.0, lt=1.0, description="server momentum")
 
 
-class Momentum(Algorithm):
+class Momentum(Algorithm[MomentumParams, MomentumState]):
     """FedAvg with server momentum (FedAvgM)."""
 
     name = "momentum"
@@ -63,9 +69,9 @@ class Momentum(Algorithm):
     def run_round(self, state, rnd, selected):
         ex = self.ctx.exchange(selected, state.model, rnd, ints=1)
         mean = weighted_average(ex.rows, torch.as_tensor(self.ctx.train_sizes[ex.clients]))
-        state.velocity = self.params.beta * state.velocity + (mean - state.model)
-        state.model = state.model + state.velocity
-        return weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients])
+        velocity = self.params.beta * state.velocity + (mean - state.model)
+        new = replace(state, model=state.model + velocity, velocity=velocity)
+        return RoundOutput(new, weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients]))
 
     def eval_rows(self, state):
         return state.model.unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
@@ -223,3 +229,12 @@ def test_a_plugin_raising_at_import_is_named_and_the_others_still_list(plugin_di
     config = validate_config(digits_config("broken", 1, [{"name": "broken"}]))
     with pytest.raises(ConfigError, match="'brokenpkg:Broken' cannot be imported: it raised Zero"):
         Experiment(config)
+
+
+def test_an_algorithm_that_declares_no_params_class_is_named(monkeypatch):
+    bare = type("Bare", (Algorithm,), {"name": "bare"})
+    monkeypatch.setitem(ALGORITHMS, "bare", bare)
+    with pytest.raises(
+        ConfigError, match=r"field 'algorithms.0.name': 'bare' \(.*Bare\) declares no Params class"
+    ):
+        algorithm_class("bare", "algorithms.0")

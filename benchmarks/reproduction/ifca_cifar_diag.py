@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import default_data_dir
+from fedcluster.algorithms.base import RoundOutput
 from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.cluster_models import ClusterModelAlgorithm, ClusterModelState
 from fedcluster.algorithms.ifca import IFCA
@@ -135,7 +136,9 @@ def instrument(log: ChoiceLog) -> None:
             log.add(rnd, kind, replies.clients, groups_of(self, replies.clients), losses)
         return replies
 
-    def logged_round(self: IFCA, state: ClusterModelState, rnd: int, selected: np.ndarray) -> float:
+    def logged_round(
+        self: IFCA, state: ClusterModelState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[ClusterModelState]:
         if (rnd - 1) % log.probe_every == 0:
             clients = np.flatnonzero(self.ctx.present)
             self.model_losses(state.models, clients, rnd, "probe", "all", measurement=True)

@@ -17,8 +17,8 @@ thread count; the command-line entry point sets OpenMP's wait policy itself,
   ``JGL``, ``CFLGT``, ``DCFL``, ``FedGroup``, ``FedGrouProx``, ``CFL``, ``FeSEM``, ``FLHC``;
 - the config sections (``ExperimentConfig``, ``TrainConfig``, ``PrivacyConfig``, ...);
 - for a method of your own (the plugin API, docs/plugins.md): ``Algorithm``,
-  ``AlgorithmParams``, ``State``, ``register``, the server's ``Context`` and its
-  ``Exchange``, ``weighted_loss``, ``weighted_average``, ``ClientComputation``,
+  ``AlgorithmParams``, ``State``, ``RoundOutput``, ``register``, the server's
+  ``Context`` and its ``Exchange``, ``weighted_loss``, ``weighted_average``, ``ClientComputation``,
   ``ClientContext``, ``ClientBatch``, ``Request``, ``ReplyField``, ``register_computation``.
 """
 
@@ -63,6 +63,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Algorithm": ("fedcluster.algorithms.base", "Algorithm"),
     "AlgorithmParams": ("fedcluster.algorithms.base", "AlgorithmParams"),
     "State": ("fedcluster.algorithms.base", "State"),
+    "RoundOutput": ("fedcluster.algorithms.base", "RoundOutput"),
     "register": ("fedcluster.algorithms.base", "register"),
     "Context": ("fedcluster.algorithms.base", "Context"),
     "Exchange": ("fedcluster.algorithms.base", "Exchange"),
@@ -111,6 +112,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmParams",
     "State",
+    "RoundOutput",
     "register",
     "Context",
     "Exchange",

@@ -56,8 +56,8 @@ AlgorithmLike = (
     | AlgorithmSpec
     | str
     | Mapping[str, Any]
-    | type[Algorithm]
-    | tuple[str | type[Algorithm], AlgorithmParams | Mapping[str, Any]]
+    | type[Algorithm[Any, Any]]
+    | tuple[str | type[Algorithm[Any, Any]], AlgorithmParams | Mapping[str, Any]]
 )
 """An algorithm of :func:`run`: a parameter object (``IFCA(n_clusters=3)``), a name or
 import path (``"fedavg"``, ``"mypkg.cfl:MyMethod"``), a YAML-style mapping

@@ -470,8 +470,8 @@ def _verify(args: argparse.Namespace) -> int:
         raise FedclusterError(f"--data-dir {root} is not a directory")
     checks = verify_data_dir(root)
     for c in checks:
-        detail = {"differs": f"  (sha256 {c.sha256})", "unreadable": f"  ({c.reason})"}
-        detail = detail.get(c.status, "")
+        details = {"differs": f"  (sha256 {c.sha256})", "unreadable": f"  ({c.reason})"}
+        detail = details.get(c.status, "")
         print(f"{c.status:10} {root / c.path}{detail}")
     bad = [c for c in checks if c.status in FAILING]
     present = sum(c.status in ("ok", "differs") for c in checks)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from fedcluster.errors import ConfigError
 
-Kind = Literal["algorithm", "partition", "dataset", "model", "federation"]
+Kind = Literal["algorithm", "partition", "dataset", "model", "federation", "loss"]
 GROUPS: dict[str, str] = {
     "algorithm": "fedcluster.algorithms",
     "partition": "fedcluster.partitions",

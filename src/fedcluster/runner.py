@@ -391,7 +391,7 @@ class Job:
             callback.on_job_start(info)
         started = time.perf_counter() - info.wall_offset
         for rnd in range(info.first_round, last + 1):
-            row = self._round(state, rnd)
+            row, state = self._round(state, rnd)
             info.rows.append(row)
             stop = [callback.on_round_end(info, rnd, row, state) for callback in callbacks]
             if any(stop):
@@ -449,7 +449,7 @@ class Job:
             state = self.algorithm.StateType.from_record(ckpt.state)
         except (KeyError, TypeError, ValueError) as exc:
             raise FedclusterError(
-                f"checkpoint {path} does not hold a {info.label} state: {exc}"
+                f"{path}: {exc}; delete it to restart that job from round 1"
             ) from None
         return ckpt, state
 
@@ -481,8 +481,9 @@ class Job:
             self.info.privacy.load_state_dict(ckpt.privacy)
         return state
 
-    def _round(self, state: State, rnd: int) -> dict[str, object]:
-        """Run and measure round ``rnd``; the round's records go to ``self.info``."""
+    def _round(self, state: State, rnd: int) -> tuple[dict[str, object], State]:
+        """Run and measure round ``rnd``: its metrics row and the new state; the round's
+        records go to ``self.info``."""
         cfg, info, channel, algorithm = self.config, self.info, self.channel, self.algorithm
         federation = self.backend.federation
         events = self._start_round(rnd)
@@ -491,7 +492,8 @@ class Job:
         selected = select_clients(federation.n_clients, cfg, info.seed, rnd, channel.available)
         if self.central is not None:
             self.central.start_round(rnd)
-        loss = algorithm.run_round(state, rnd, selected) if len(selected) else math.nan
+        out = algorithm.run_round(state, rnd, selected) if len(selected) else None
+        state = state if out is None else out.state
         if self.central is not None:
             self.central.end_round()
         round_seconds = time.perf_counter() - t0
@@ -500,7 +502,7 @@ class Job:
             "round": rnd,
             "algorithm": info.label,
             "seed": info.seed,
-            "loss": loss,
+            "loss": math.nan if out is None else out.loss,
             "bytes_up": channel.traffic.up,
             "bytes_down": channel.traffic.down,
             "rejected": len(channel.rejected),
@@ -530,8 +532,8 @@ class Job:
         row["eval_seconds"] = time.perf_counter() - t1
         info.events = events + channel.events + self._end_round(rnd)
         info.clusters = assign
-        info.diagnostics = {**algorithm.diagnostics(state), **honest}
-        return row
+        info.diagnostics = {**({} if out is None else out.diagnostics), **honest}
+        return row, state
 
     def _start_round(self, rnd: int) -> list[tuple[int, str, str]]:
         """Set the scenario's masks and apply the round's drift; the scenario's events

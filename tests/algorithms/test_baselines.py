@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.algorithms.fedavg import FedAvg, FedAvgFT, FedProx
+from fedcluster.algorithms.base import weighted_loss
+from fedcluster.algorithms.fedavg import FedAvg, FedAvgFT, FedProx, fedavg_step
 from fedcluster.algorithms.local import LocalOnly
 from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import weighted_average
@@ -19,13 +20,33 @@ def test_fedavg_round_is_sample_weighted_average_of_local_models():
     state = alg.init_state()
     selected = np.array([0, 2, 3])
     start = state.global_model.clone()
-    alg.run_round(state, 1, selected)
-    local = ctx.channel.backend.train(selected, start, ctx.train, 1).rows
+    out = alg.run_round(state, 1, selected)
+    assert torch.equal(state.global_model, start)  # the state given stays as it was
+    state = out.state
+    trained = ctx.channel.backend.train(selected, start, ctx.train, 1)
+    local = trained.rows
     expected = weighted_average(local, torch.as_tensor(fed.train_sizes[selected]))
     assert torch.allclose(state.global_model, expected)
+    assert out.loss == weighted_loss(trained.loss, fed.train_sizes[selected])
+    assert out.diagnostics == {}
     d = ctx.dim
     assert ctx.channel.traffic.down == 3 * d * FLOAT_BYTES
     assert ctx.channel.traffic.up == 3 * (d * FLOAT_BYTES + INT_BYTES)
+
+
+def test_fedavg_step_is_one_fedavg_round_and_keeps_the_model_without_updates():
+    """The shared step equals FedAvg's round; with no client it returns the model itself."""
+    fed = rotated_digits(n_groups=1, clients_per_group=4)
+    selected = np.array([1, 3])
+    ctx, twin = make_context(fed, hidden=[16]), make_context(fed, hidden=[16])
+    start = ctx.init_row.clone()
+    model, ex = fedavg_step(ctx, start, 1, selected)
+    fedavg = FedAvg(FedAvg.Params(), twin)
+    out = fedavg.run_round(fedavg.init_state(), 1, selected)
+    assert torch.equal(model, out.state.global_model)
+    assert ex.clients.tolist() == [1, 3] and torch.equal(start, ctx.init_row)
+    same, nobody = fedavg_step(ctx, start, 2, np.array([], dtype=np.int64))
+    assert same is start and len(nobody.clients) == 0
 
 
 def test_fedavg_learns_and_is_deterministic():
@@ -37,7 +58,7 @@ def test_fedavg_learns_and_is_deterministic():
         state = alg.init_state()
         before = alg.evaluate(state, 0).correct.sum()
         for rnd in range(1, 11):
-            alg.run_round(state, rnd, np.arange(fed.n_clients))
+            state = alg.run_round(state, rnd, np.arange(fed.n_clients)).state
         res = alg.evaluate(state, 10)
         accs.append(res.correct.sum() / res.count.sum())
         assert res.correct.sum() > before
@@ -67,7 +88,7 @@ def test_fedavg_ft_personalises_only_the_classifier_and_sends_nothing_extra():
     alg = FedAvgFT(FedAvgFT.Params(ft_epochs=3), ctx)
     state = alg.init_state()
     for rnd in range(1, 4):
-        alg.run_round(state, rnd, np.arange(fed.n_clients))
+        state = alg.run_round(state, rnd, np.arange(fed.n_clients)).state
     plain = FedAvg.evaluate(alg, state, 3)
     ctx.channel.traffic.up = ctx.channel.traffic.down = 0
     tuned = alg.evaluate(state, 3)
@@ -80,7 +101,7 @@ def test_local_training_keeps_one_model_per_client_and_communicates_nothing():
     ctx = make_context(fed, hidden=[16])
     alg = LocalOnly(LocalOnly.Params(), ctx)
     state = alg.init_state()
-    alg.run_round(state, 1, np.array([1, 3]))
+    state = alg.run_round(state, 1, np.array([1, 3])).state
     rows, which = alg.eval_rows(state)
     assert torch.equal(rows[0], ctx.init_row) and torch.equal(rows[2], ctx.init_row)
     assert not torch.equal(rows[1], ctx.init_row)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.cfl import CFL
+from fedcluster.algorithms.base import RoundOutput
+from fedcluster.algorithms.cfl import CFL, CFLState
 from fedcluster.data.federation import Federation
 from fedcluster.engine.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
@@ -45,10 +46,17 @@ def make_cfl(federation: Federation, seed: int = 0, **params) -> CFL:
     return CFL(CFL.Params(**params), ctx)
 
 
-def run(alg: CFL, rounds: int, selected: np.ndarray | None = None) -> tuple[dict, list[float]]:
+def run(
+    alg: CFL, rounds: int, selected: np.ndarray | None = None
+) -> tuple[CFLState, list[RoundOutput]]:
+    """The state after ``rounds`` rounds and every round's output."""
     state = alg.init_state()
     chosen = np.arange(alg.ctx.n_clients) if selected is None else selected
-    return state, [alg.run_round(state, rnd, chosen) for rnd in range(1, rounds + 1)]
+    outs = []
+    for rnd in range(1, rounds + 1):
+        outs.append(alg.run_round(state, rnd, chosen))
+        state = outs[-1].state
+    return state, outs
 
 
 def as_sets(clusters: list[np.ndarray]) -> set[frozenset[int]]:
@@ -89,8 +97,8 @@ def test_split_criteria_block_splits(permuted, params):
 
 def test_update_norms_are_reported(permuted):
     alg = make_cfl(permuted)
-    state, _ = run(alg, 1)
-    mean_norm, max_norm = state.update_norms[0]
+    _, outs = run(alg, 1)
+    mean_norm, max_norm = outs[0].diagnostics["c0/mean_norm"], outs[0].diagnostics["c0/max_norm"]
     assert 0.0 < mean_norm < max_norm
 
 
@@ -102,16 +110,16 @@ def test_partial_participation_never_splits_an_incomplete_cluster(permuted):
 
 def test_bytes_and_determinism(permuted):
     alg = make_cfl(permuted, seed=4, warmup_rounds=1, min_cluster_size=3, **ALWAYS)
-    state, losses = run(alg, 3)
+    state, outs = run(alg, 3)
     n, dim = permuted.n_clients, alg.ctx.dim  # the Comm counts all 3 rounds here
     assert alg.ctx.channel.traffic.down == 3 * n * dim * FLOAT_BYTES
     assert alg.ctx.channel.traffic.up == 3 * n * (
         dim * FLOAT_BYTES + INT_BYTES
     )  # update and sample count
-    again, losses_again = run(
+    again, outs_again = run(
         make_cfl(permuted, seed=4, warmup_rounds=1, min_cluster_size=3, **ALWAYS), 3
     )
-    assert losses == losses_again
+    assert [o.loss for o in outs] == [o.loss for o in outs_again]
     assert torch.equal(state.models, again.models)
     assert as_sets(state.clusters) == as_sets(again.clusters)
 
@@ -134,8 +142,7 @@ def test_diagnostics_match_a_hand_computation(permuted):
     state = alg.init_state()
     everyone = np.arange(alg.ctx.n_clients)
     start = state.models[0].clone()
-    alg.run_round(state, 1, everyone)
-    diag = alg.diagnostics(state)
+    diag = alg.run_round(state, 1, everyone).diagnostics
     # The same local training again (its randomness derives from seed, purpose, round, client).
     rows = alg.ctx.channel.backend.train(everyone, start, alg.ctx.train, 1, "train").rows.double()
     sizes = permuted.train_sizes.astype(np.float64)
@@ -151,13 +158,13 @@ def test_diagnostics_match_a_hand_computation(permuted):
 
 def test_split_is_flagged_per_half(permuted):
     alg = make_cfl(permuted, warmup_rounds=1, min_cluster_size=3, **ALWAYS)
-    state, _ = run(alg, 2)
-    diag = alg.diagnostics(state)
+    state, outs = run(alg, 2)
+    diag = outs[-1].diagnostics
     assert len(state.clusters) == 2
     assert diag["c0/split"] == diag["c1/split"] == 1.0
     assert diag["c0/mean_norm"] == diag["c1/mean_norm"]  # the halves report their parent's
-    alg.run_round(state, 3, np.arange(alg.ctx.n_clients))
-    assert sum(v for k, v in alg.diagnostics(state).items() if k.endswith("/split")) in (0, 2)
+    diag = alg.run_round(state, 3, np.arange(alg.ctx.n_clients)).diagnostics
+    assert sum(v for k, v in diag.items() if k.endswith("/split")) in (0, 2)
 
 
 def test_relative_thresholds_scale_with_the_first_rounds(permuted):
@@ -169,8 +176,9 @@ def test_relative_thresholds_scale_with_the_first_rounds(permuted):
     assert alg.thresholds(state) == (0.0, float("inf"))  # nothing seen: no split possible
     seen = []
     for rnd in (1, 2, 3):
-        alg.run_round(state, rnd, np.arange(alg.ctx.n_clients))
-        seen.append(alg.diagnostics(state)["c0/mean_norm"])
+        out = alg.run_round(state, rnd, np.arange(alg.ctx.n_clients))
+        state = out.state
+        seen.append(out.diagnostics["c0/mean_norm"])
     unit = (seen[0] + seen[1]) / 2  # round 3 is past the reference rounds
     assert alg.thresholds(state) == pytest.approx((0.5 * unit, 2.0 * unit))
     scaled = make_cfl(permuted, warmup_rounds=10, eps1=0.5 * unit, eps2=2.0 * unit)

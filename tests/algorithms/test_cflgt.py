@@ -141,15 +141,21 @@ def scenario1(request, mnist) -> Federation:
     return label_set_federation(mnist, PAIRS, SIZES[request.param])
 
 
-def run_rounds(alg, state, rounds: range, selected: np.ndarray) -> list[float]:
-    return [alg.run_round(state, rnd, selected) for rnd in rounds]
+def run_rounds(alg, state, rounds: range, selected: np.ndarray) -> tuple[CFLGTState, list[float]]:
+    """The state after ``rounds`` and their losses."""
+    losses = []
+    for rnd in rounds:
+        out = alg.run_round(state, rnd, selected)
+        state = out.state
+        losses.append(out.loss)
+    return state, losses
 
 
 def test_cflgt_finds_the_five_groups(scenario1):
     ctx = make_context(scenario1, **MLP)
     alg = CFLGT(CFLGT.Params(pretrain_rounds=1), ctx)
     state = alg.init_state()
-    run_rounds(alg, state, range(1, 3), np.arange(20))
+    state, _ = run_rounds(alg, state, range(1, 3), np.arange(20))
     labels = alg.clusters(state)
     assert labels.max() + 1 == 5 and ari(scenario1.groups, labels) == 1.0
     assert state.trajectories.shape == (20, 10, 2)
@@ -163,7 +169,7 @@ def test_without_normalisation_data_size_misleads(mnist):
     for normalise in (True, False):
         alg = CFLGT(CFLGT.Params(pretrain_rounds=0, normalise=normalise), make_context(fed, **MLP))
         state = alg.init_state()
-        alg.run_round(state, 1, np.arange(20))
+        state = alg.run_round(state, 1, np.arange(20)).state
         scores[normalise] = ari(fed.groups, alg.clusters(state))
     assert scores[True] == 1.0 and scores[False] < 0.5
 
@@ -175,7 +181,7 @@ def test_hopkins_and_cv_tell_iid_from_label_skew(mnist):
         fed = label_set_federation(mnist, sets, [10] * 20 if name == "iid" else SIZES["equal"])
         alg = CFLGT(CFLGT.Params(pretrain_rounds=0), make_context(fed, **MLP))
         state = alg.init_state()
-        alg.run_round(state, 1, np.arange(20))
+        state = alg.run_round(state, 1, np.arange(20)).state
         stats[name] = (state.hopkins, state.cv, alg.clusters(state).max() + 1)
     assert stats["iid"][2] > 1 and stats["iid"][0] < 0.75 < stats["pairs"][0]
     assert np.all(stats["iid"][1] < stats["pairs"][1])
@@ -193,7 +199,7 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
     state = alg.init_state()
     selected = np.array([1, 4, 7])
     # Round 1: FedAvg with the runner's selection.
-    alg.run_round(state, 1, selected)
+    state = alg.run_round(state, 1, selected).state
     assert (ctx.channel.traffic.down, ctx.channel.traffic.up) == (
         3 * d * FLOAT_BYTES,
         3 * (d * FLOAT_BYTES + INT_BYTES),
@@ -204,7 +210,9 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
     # Round 2: every client receives the model and uploads 2·C floats; nobody trains.
     ctx.channel.traffic = Traffic()
     pretrained = state.global_model.clone()
-    assert np.isnan(alg.run_round(state, 2, selected))
+    out = alg.run_round(state, 2, selected)
+    assert np.isnan(out.loss)
+    state = out.state
     assert (
         ctx.channel.traffic.up == n * 2 * c * FLOAT_BYTES
         and ctx.channel.traffic.down == n * d * FLOAT_BYTES
@@ -213,7 +221,7 @@ def test_cflgt_schedule_and_bytes(equal_scenario):
     assert torch.equal(state.models, pretrained.expand(5, -1))
     # Round 3: 20% of all clients (4), drawn by CFLGT, train their cluster's model.
     ctx.channel.traffic = Traffic()
-    alg.run_round(state, 3, selected)
+    state = alg.run_round(state, 3, selected).state
     assert (ctx.channel.traffic.down, ctx.channel.traffic.up) == (
         4 * d * FLOAT_BYTES,
         4 * (d * FLOAT_BYTES + INT_BYTES),
@@ -257,7 +265,7 @@ def test_cflgt_is_deterministic(equal_scenario):
     for _ in range(2):
         alg = CFLGT(CFLGT.Params(pretrain_rounds=1), make_context(equal_scenario, seed=3, **MLP))
         state = alg.init_state()
-        losses = run_rounds(alg, state, range(1, 5), np.arange(0, 20, 2))
+        state, losses = run_rounds(alg, state, range(1, 5), np.arange(0, 20, 2))
         runs.append((losses, state))
     (loss_a, a), (loss_b, b) = runs
     assert np.array_equal(loss_a, loss_b, equal_nan=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import csv
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +23,14 @@ import pytest
 import torch
 from pydantic import Field
 
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.config import validate_config
 from fedcluster.engine.client_side import ClientBatch, ClientContext
 from fedcluster.engine.computation import (
@@ -90,7 +97,7 @@ class LabelSplitParams(AlgorithmParams):
 
 
 @register
-class LabelSplit(Algorithm):
+class LabelSplit(Algorithm[LabelSplitParams, LabelSplitState]):
     """Two clusters split at the median label mean; FedAvg within each."""
 
     name = "test-label-split"
@@ -103,10 +110,10 @@ class LabelSplit(Algorithm):
             assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
         )
         if self.params.at_init:  # a broadcast and a one-shot upload before round 1
-            self._split(state, 0)
+            state = replace(state, assign=self._split(state, 0))
         return state
 
-    def _split(self, state: LabelSplitState, rnd: int) -> None:
+    def _split(self, state: LabelSplitState, rnd: int) -> np.ndarray:
         ctx = self.ctx
         if self.params.statistic == "label-mean":
             replies = ctx.ask(LABEL_MEAN, ctx.available_clients(), Request(), rnd)
@@ -114,13 +121,18 @@ class LabelSplit(Algorithm):
             request = Request(shared={"model": ctx.init_row})
             replies = ctx.ask(MODEL_LOSS, ctx.available_clients(), request, rnd)
         means = replies["mean"].numpy()
-        state.assign[replies.clients] = (means > np.median(means)).astype(np.int64)
+        assign = state.assign.copy()
+        assign[replies.clients] = (means > np.median(means)).astype(np.int64)
+        return assign
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: LabelSplitState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[LabelSplitState]:
         ctx = self.ctx
         if (state.assign < 0).all():
-            self._split(state, rnd)
+            state = replace(state, assign=self._split(state, rnd))
         losses, sizes = [], []
+        models = list(state.models)
         for c in range(2):
             members = selected[state.assign[selected] == c]
             if not len(members):
@@ -128,17 +140,18 @@ class LabelSplit(Algorithm):
             ex = ctx.exchange(members, state.models[c], rnd, ints=1)
             if len(ex.clients):
                 weights = torch.as_tensor(ctx.train_sizes[ex.clients])
-                state.models[c] = weighted_average(ex.rows, weights)
+                models[c] = weighted_average(ex.rows, weights)
                 losses.append(ex.loss)
                 sizes.append(ctx.train_sizes[ex.clients])
         if not losses:
-            return float("nan")
-        return weighted_loss(torch.cat(losses), np.concatenate(sizes))
+            return RoundOutput(state, float("nan"))
+        state = replace(state, models=torch.stack(models))
+        return RoundOutput(state, weighted_loss(torch.cat(losses), np.concatenate(sizes)))
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: LabelSplitState) -> tuple[torch.Tensor, np.ndarray]:
         return state.models, np.maximum(state.assign, 0)
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: LabelSplitState) -> np.ndarray:
         return state.assign.copy()
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.dcfl import DCFL
+from fedcluster.algorithms.base import RoundOutput
+from fedcluster.algorithms.dcfl import DCFL, DCFLState
 from fedcluster.clustering.distances import DCFL_VARIANTS, dcfl_distance_matrix
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
@@ -43,21 +44,29 @@ def make_dcfl(federation: Federation, seed: int = 0, **params) -> DCFL:
     return DCFL(DCFL.Params(**params), ctx)
 
 
-def run(alg: DCFL, state: dict, rounds: range, selected: np.ndarray) -> list[float]:
-    return [alg.run_round(state, rnd, selected) for rnd in rounds]
+def run(
+    alg: DCFL, state: DCFLState, rounds: range, selected: np.ndarray
+) -> tuple[DCFLState, list[RoundOutput]]:
+    """The state after ``rounds`` and every round's output."""
+    outs = []
+    for rnd in rounds:
+        outs.append(alg.run_round(state, rnd, selected))
+        state = outs[-1].state
+    return state, outs
 
 
 def test_recovers_rotation_groups_and_dunn_index_ends_above_one(rotated):
     alg = make_dcfl(rotated)
     state = alg.init_state()
     everyone = np.arange(rotated.n_clients)
-    run(alg, state, range(1, 2), everyone)
-    assert state.dunn == 0.0  # one cluster C_0 in round 1: DI = 0, so it clusters (Alg. 1)
+    state, outs = run(alg, state, range(1, 2), everyone)
+    # one cluster C_0 in round 1: DI = 0, so it clusters (Alg. 1)
+    assert outs[0].diagnostics == {"dunn": 0.0, "reclusterings": 1.0}
     assert state.reclusterings == 1
-    run(alg, state, range(2, 7), everyone)
+    state, outs = run(alg, state, range(2, 7), everyone)
     assert ari(rotated.groups, alg.clusters(state)) == 1.0
     assert len(state.models) == N_GROUPS
-    assert state.dunn > 1.0
+    assert outs[-1].diagnostics["dunn"] > 1.0
     accuracy = alg.evaluate(state, 6).accuracy.mean()
     assert accuracy > 0.6
 
@@ -67,7 +76,7 @@ def test_newcomers_join_their_groups_cluster(rotated):
     state = alg.init_state()
     late = np.array([3, 18, 19])  # groups 3, 2, 3
     initial = np.setdiff1d(np.arange(rotated.n_clients), late)
-    run(alg, state, range(1, 5), initial)
+    state, _ = run(alg, state, range(1, 5), initial)
     assert (state.assign[late] == -1).all()
     assert ari(rotated.groups[initial], state.assign[initial]) == 1.0
     rows, model_of_client = alg.eval_rows(state)
@@ -81,14 +90,15 @@ def test_newcomers_join_their_groups_cluster(rotated):
     )  # W_G down, update up
     mates = state.assign[initial[rotated.groups[initial] == rotated.groups[19]]]
     assert choice.tolist() == [mates[0]] and (mates == mates[0]).all()
+    assert state.assign[19] == -1  # placing is a question: the state is left as it was
 
     alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
     everyone = np.arange(rotated.n_clients)
-    run(alg, state, range(5, 6), everyone)  # clients 3 and 18 are newcomers here
+    state, _ = run(alg, state, range(5, 6), everyone)  # clients 3, 18 and 19 are newcomers
     assert (
         alg.ctx.channel.traffic.down
         == alg.ctx.channel.traffic.up
-        == (len(everyone) + 2) * dim * FLOAT_BYTES
+        == (len(everyone) + 3) * dim * FLOAT_BYTES
     )
     assert ari(rotated.groups, state.assign) == 1.0
 
@@ -97,7 +107,7 @@ def test_bytes_per_round_are_exact(rotated):
     alg = make_dcfl(rotated)
     state = alg.init_state()
     selected = np.arange(rotated.n_clients)
-    alg.run_round(state, 1, selected)
+    state = alg.run_round(state, 1, selected).state
     # Every client gets its cluster model and uploads one update: d float32 each way.
     assert (
         alg.ctx.channel.traffic.down
@@ -110,9 +120,9 @@ def test_bytes_per_round_are_exact(rotated):
 def test_every_distance_variant_runs(rotated, variant):
     alg = make_dcfl(rotated, variant=variant)
     state = alg.init_state()
-    losses = run(alg, state, range(1, 3), np.arange(rotated.n_clients))
-    assert all(np.isfinite(losses))
-    assert (state.assign >= 0).all() and np.isfinite(state.dunn)
+    state, outs = run(alg, state, range(1, 3), np.arange(rotated.n_clients))
+    assert all(np.isfinite(out.loss) for out in outs)
+    assert (state.assign >= 0).all() and np.isfinite(outs[-1].diagnostics["dunn"])
 
 
 def test_preference_sets_the_number_of_clusters(rotated):
@@ -120,7 +130,7 @@ def test_preference_sets_the_number_of_clusters(rotated):
     for preference in ("median", 0.0):
         alg = make_dcfl(rotated, preference=preference)
         state = alg.init_state()
-        alg.run_round(state, 1, np.arange(rotated.n_clients))
+        state = alg.run_round(state, 1, np.arange(rotated.n_clients)).state
         counts.append(len(state.models))
     assert counts[0] == N_GROUPS
     assert counts[1] == rotated.n_clients  # preference 0 = the self-similarity: all exemplars
@@ -135,8 +145,8 @@ def test_reclustering_with_absent_clients():
     state = alg.init_state()
     state.assign = np.array([0, 0, 1, 1, 2, 2])
     state.models = torch.arange(3.0).unsqueeze(1).repeat(1, alg.ctx.dim)
-    previous = alg._recluster(state, np.array([0, 2, 3]), np.array([0, 1, 1]))
-    assert state.assign.tolist() == [0, 0, 1, 1, 2, 2]
+    assign, previous = alg._recluster(state, np.array([0, 2, 3]), np.array([0, 1, 1]))
+    assert assign.tolist() == [0, 0, 1, 1, 2, 2]
     assert previous.shape == (3, alg.ctx.dim)
     assert torch.equal(previous[2], torch.full((alg.ctx.dim,), 2.0))
 
@@ -145,21 +155,21 @@ def test_same_seed_same_numbers_and_checkpoint_resume(rotated):
     everyone = np.arange(rotated.n_clients)
     alg = make_dcfl(rotated, seed=3)
     full = alg.init_state()
-    losses = run(alg, full, range(1, 5), everyone)
+    full, outs = run(alg, full, range(1, 5), everyone)
 
     again = make_dcfl(rotated, seed=3)
     state = again.init_state()
-    first = run(again, state, range(1, 3), everyone)
+    state, first = run(again, state, range(1, 3), everyone)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
     resumed = torch.load(buffer, weights_only=False)
-    rest = run(make_dcfl(rotated, seed=3), resumed, range(3, 5), everyone)
+    resumed, rest = run(make_dcfl(rotated, seed=3), resumed, range(3, 5), everyone)
 
-    assert first + rest == losses
+    assert [o.loss for o in first + rest] == [o.loss for o in outs]
+    assert [o.diagnostics for o in first + rest] == [o.diagnostics for o in outs]
     assert torch.equal(resumed.models, full.models)
     assert np.array_equal(resumed.assign, full.assign)
-    assert resumed.dunn == full.dunn
 
 
 def test_a_sample_of_the_updates_finds_the_groups_the_exact_clustering_finds(rotated):
@@ -174,7 +184,7 @@ def test_a_sample_of_the_updates_finds_the_groups_the_exact_clustering_finds(rot
     def final(**params):
         alg = make_dcfl(rotated, **params)
         state = alg.init_state()
-        run(alg, state, range(1, 7), everyone)
+        state, _ = run(alg, state, range(1, 7), everyone)
         return alg.clusters(state), state.models
 
     exact_labels, exact_models = final(max_exact_participants=None)

@@ -75,7 +75,7 @@ def test_the_device_choice_equals_a_client_by_client_loop(cls, init):
     for rnd in (1, 2, 3):
         models, delta = state.models.clone(), state.delta.clone()
         want_models, want_choice = _loop_round(alg, ctx, models, delta, rnd)
-        alg.run_round(state, rnd, np.arange(N))
+        state = alg.run_round(state, rnd, np.arange(N)).state
         assert np.array_equal(state.assign, want_choice)
         assert torch.allclose(state.models, want_models, atol=1e-6)
     if init == "same":  # the ties were broken per client, not all the same way
@@ -98,7 +98,7 @@ def test_without_ties_or_empty_clusters_both_protocols_give_the_same_run(cls):
         traffic = []
         for rnd in (1, 2, 3):
             ctx.channel.start_round()
-            alg.run_round(state, rnd, np.arange(N))
+            state = alg.run_round(state, rnd, np.arange(N)).state
             traffic.append((ctx.channel.traffic.down, ctx.channel.traffic.up))
         runs.append((state, traffic))
     (default, t_default), (device, t_device) = runs
@@ -131,16 +131,16 @@ def test_an_empty_cluster_gets_a_pinned_device_in_the_next_round():
     _, ctx, alg, state = _setup(JGL, lam=0.2)
     ctx.channel.bound = UpdateBound(norm_factor=None)  # the pinned device's update is large
     state.models[1] = state.models[0] + 50.0
-    alg.run_round(state, 1, np.arange(N))
+    state = alg.run_round(state, 1, np.arange(N)).state
     assert (state.assign == 0).all() and not state.delta[1].any()
-    alg.run_round(state, 2, np.arange(N))
+    state = alg.run_round(state, 2, np.arange(N)).state
     assert (state.assign == 1).sum() == 1
     assert state.delta[1].abs().sum() > 0
     off = JGL(JGL.Params(n_clusters=2, choice_on_device=True, empty_cluster_fix=False), ctx)
     kept = off.init_state()
     kept.models[1] = kept.models[0] + 50.0
     for rnd in (1, 2):
-        off.run_round(kept, rnd, np.arange(N))
+        kept = off.run_round(kept, rnd, np.arange(N)).state
     assert (kept.assign == 0).all()  # without the fix cluster 1 stays empty
 
 
@@ -160,6 +160,6 @@ def test_an_out_of_range_cluster_id_is_rejected(monkeypatch):
 
     monkeypatch.setattr(ifca, "CHOOSE_AND_TRAIN", replace(jgl.CHOOSE_AND_TRAIN, batched_run=broken))
     ctx.channel.start_round()
-    alg.run_round(state, 1, np.arange(N))
+    state = alg.run_round(state, 1, np.arange(N)).state
     assert ctx.channel.rejected == [0] and state.assign[0] == -1
     assert (state.assign[1:] >= 0).all()

@@ -61,7 +61,7 @@ def test_fedem_with_identical_components_is_fedavg_at_a_1_over_m_step(disjoint, 
             state.components = ctx.init_row.repeat(m, 1)
         for rnd in (1, 2):
             ctx.channel.start_round()
-            alg.run_round(state, rnd, np.arange(N))
+            state = alg.run_round(state, rnd, np.arange(N)).state
         rows.append(state.components if cls is FedEM else state.global_model[None])
     fedem, fedavg = rows
     assert torch.allclose(fedem, fedavg.expand_as(fedem), atol=1e-5)

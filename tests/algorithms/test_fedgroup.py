@@ -66,7 +66,9 @@ def run(alg: FedGroup, rounds: int, per_round: int = 10) -> tuple[dict, list[flo
     for rnd in range(1, rounds + 1):
         rng = np.random.default_rng(rnd)
         selected = np.sort(rng.choice(alg.ctx.n_clients, per_round, replace=False))
-        losses.append(alg.run_round(state, rnd, selected))
+        out = alg.run_round(state, rnd, selected)
+        state = out.state
+        losses.append(out.loss)
     return state, losses
 
 
@@ -104,7 +106,7 @@ def test_recovers_label_groups(label_groups, measure, cls):
 def test_group_cold_start_bytes_and_groups(label_groups):
     alg = make(label_groups, n_groups=3, pretrain_scale=4)
     state = alg.init_state()
-    alg.group_cold_start(state)
+    state = alg.group_cold_start(state)
     dim = alg.ctx.dim
     pretrained = np.flatnonzero(state.assign >= 0)
     assert len(pretrained) == 12
@@ -124,7 +126,7 @@ def test_group_cold_start_bytes_and_groups(label_groups):
 def test_client_cold_start_picks_the_largest_cosine(label_groups):
     alg = make(label_groups, n_groups=3, pretrain_scale=4)
     state = alg.init_state()
-    alg.group_cold_start(state)
+    state = alg.group_cold_start(state)
     cold = int(np.flatnonzero(state.assign < 0)[0])
 
     # By hand: pre-train one epoch from w0 and compare directions by cosine (eq. 9).
@@ -141,7 +143,7 @@ def test_client_cold_start_picks_the_largest_cosine(label_groups):
     dissimilarity = [(1.0 - c) / 2.0 for c in cosines]
 
     alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
-    alg.run_round(state, 1, np.array([cold]))
+    state = alg.run_round(state, 1, np.array([cold])).state
     assert state.assign[cold] == int(np.argmin(dissimilarity)) == int(np.argmax(cosines))
     mates = (label_groups.groups == label_groups.groups[cold]) & (state.assign >= 0)
     assert (state.assign[mates] == state.assign[cold]).all()  # and it is the right group
@@ -157,7 +159,7 @@ def test_client_cold_start_picks_the_largest_cosine(label_groups):
 def test_rcc_uses_m_random_centres(label_groups):
     alg = make(label_groups, n_groups=3, rcc=True)
     state = alg.init_state()
-    alg.group_cold_start(state)
+    state = alg.group_cold_start(state)
     centres = np.flatnonzero(state.assign >= 0)
     assert len(centres) == 3 and sorted(state.assign[centres]) == [0, 1, 2]
     assert torch.allclose(state.directions, alg.pretrain(centres).rows[state.assign[centres]])
@@ -168,10 +170,10 @@ def test_rcc_uses_m_random_centres(label_groups):
 def test_rac_assigns_cold_clients_without_pretraining(label_groups):
     alg = make(label_groups, n_groups=3, pretrain_scale=4, rac=True)
     state = alg.init_state()
-    alg.group_cold_start(state)
+    state = alg.group_cold_start(state)
     cold = np.flatnonzero(state.assign < 0)[:8]
     alg.ctx.channel.traffic.down = alg.ctx.channel.traffic.up = 0
-    alg.run_round(state, 1, cold)
+    state = alg.run_round(state, 1, cold).state
     assert (state.assign[cold] >= 0).all()
     assert alg.ctx.channel.traffic.down == len(cold) * alg.ctx.dim * FLOAT_BYTES  # no pre-training
 

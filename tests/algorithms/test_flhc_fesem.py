@@ -49,7 +49,7 @@ def test_flhc_recovers_the_groups(disjoint, cut):
     alg = FLHC(FLHC.Params(pretrain_rounds=1, **cut), make_context(disjoint, **MLP))
     state = alg.init_state()
     for rnd in (1, 2):
-        alg.run_round(state, rnd, np.arange(N))
+        state = alg.run_round(state, rnd, np.arange(N)).state
     assert ari(disjoint.groups, alg.clusters(state)) == 1.0
 
 
@@ -60,11 +60,12 @@ def test_flhc_schedule_bytes_and_determinism(disjoint):
         d = ctx.dim
         alg = FLHC(FLHC.Params(pretrain_rounds=1, n_clusters=4), ctx)
         state = alg.init_state()
-        alg.run_round(state, 1, np.arange(0, N, 2))
+        state = alg.run_round(state, 1, np.arange(0, N, 2)).state
         pretrained = state.global_model.clone()
         ctx.channel.traffic = Traffic()
-        loss = alg.run_round(state, 2, np.array([0]))  # every client trains and uploads
-        assert np.isfinite(loss)
+        out = alg.run_round(state, 2, np.array([0]))  # every client trains and uploads
+        state = out.state
+        assert np.isfinite(out.loss)
         assert (
             ctx.channel.traffic.down == N * d * FLOAT_BYTES
             and ctx.channel.traffic.up == N * d * FLOAT_BYTES
@@ -72,7 +73,7 @@ def test_flhc_schedule_bytes_and_determinism(disjoint):
         assert torch.equal(state.models, pretrained.expand(4, -1))
         selected = np.array([0, 1, 4, 5, 6])  # the runner's selection: groups 0, 1, 0, 1, 2
         ctx.channel.traffic = Traffic()
-        alg.run_round(state, 3, selected)
+        state = alg.run_round(state, 3, selected).state
         assert ctx.channel.traffic.down == 5 * d * FLOAT_BYTES
         assert ctx.channel.traffic.up == 5 * (d * FLOAT_BYTES + INT_BYTES)
         labels = alg.clusters(state)
@@ -111,7 +112,7 @@ def test_fesem_recovers_the_groups_in_few_rounds(disjoint):
     for rnd in range(1, 4):
         selected = np.sort(rng.choice(N, N // 2, replace=False))
         ctx.channel.traffic = Traffic()
-        alg.run_round(state, rnd, selected)
+        state = alg.run_round(state, rnd, selected).state
         assert ctx.channel.traffic.down == ctx.channel.traffic.up == 8 * ctx.dim * FLOAT_BYTES
     assign = alg.clusters(state)
     seen = assign >= 0
@@ -125,11 +126,11 @@ def test_fesem_e_and_m_steps(disjoint):
     ctx = make_context(disjoint, **MLP)
     alg = FeSEM(FeSEM.Params(n_clusters=4, weighting="samples"), ctx)
     state = alg.init_state()
-    alg.run_round(state, 1, np.arange(0, N, 2))
+    state = alg.run_round(state, 1, np.arange(0, N, 2)).state
     centres, assign = state.centres.clone(), state.assign.copy()
     selected = np.arange(N)  # half of them have no cluster yet: they start from the mean centre
     ctx.channel.traffic = Traffic()
-    alg.run_round(state, 2, selected)
+    state = alg.run_round(state, 2, selected).state
     assert ctx.channel.traffic.up == N * (ctx.dim * FLOAT_BYTES + INT_BYTES)
     start = torch.where(torch.as_tensor(assign >= 0)[:, None], centres[assign], centres.mean(0))
     local = ctx.channel.backend.train(selected, start, ctx.train, 2).rows
@@ -149,7 +150,11 @@ def test_fesem_random_init_and_determinism(disjoint):
         )
         state = alg.init_state()
         assert len(torch.unique(state.centres, dim=0)) == 4
-        losses = [alg.run_round(state, rnd, np.arange(rnd, N, 3)) for rnd in (1, 2)]
+        losses = []
+        for rnd in (1, 2):
+            out = alg.run_round(state, rnd, np.arange(rnd, N, 3))
+            state = out.state
+            losses.append(out.loss)
         runs.append((losses, state))
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1].centres, runs[1][1].centres)

@@ -35,8 +35,9 @@ def test_diagnostic_is_logged_each_round():
         state = alg.init_state()
         seen = []
         for rnd in range(1, 5):
-            alg.run_round(state, rnd, np.arange(fed.n_clients))
-            seen.append(alg.diagnostics(state)["differs_from_loss_choice"])
+            out = alg.run_round(state, rnd, np.arange(fed.n_clients))
+            state = out.state
+            seen.append(out.diagnostics["differs_from_loss_choice"])
         counts[lam] = seen
     assert counts[0.0] == [0.0] * 4  # λ = 0 is IFCA
     assert all(0 <= c <= fed.n_clients for c in counts[0.99])

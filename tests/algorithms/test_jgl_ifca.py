@@ -70,7 +70,7 @@ def test_empty_cluster_fix_gives_every_cluster_a_device():
 
 def _run(alg, state, rounds, n):
     for rnd in range(1, rounds + 1):
-        alg.run_round(state, rnd, np.arange(n))
+        state = alg.run_round(state, rnd, np.arange(n)).state
     return state
 
 
@@ -94,7 +94,7 @@ def test_jgl_counts_k_models_and_updates_down_and_model_plus_id_up():
     ctx = make_context(fed, hidden=[8])
     alg = JGL(JGL.Params(n_clusters=2), ctx)
     state = alg.init_state()
-    alg.run_round(state, 1, np.arange(4))
+    state = alg.run_round(state, 1, np.arange(4)).state
     assert ctx.channel.traffic.down == 4 * 2 * 2 * ctx.dim * FLOAT_BYTES
     assert ctx.channel.traffic.up == 4 * (ctx.dim * FLOAT_BYTES + INT_BYTES)
 
@@ -109,7 +109,7 @@ def test_flipped_similarity_sign_hurts_purity():
         state = alg.init_state()
         scores = []
         for rnd in range(1, 31):
-            alg.run_round(state, rnd, np.arange(fed.n_clients))
+            state = alg.run_round(state, rnd, np.arange(fed.n_clients)).state
             scores.append(purity(fed.groups, alg.clusters(state)))
         result[sign] = np.mean(scores[-10:])
     assert result["descent"] >= result["literal"] + 0.2, result

@@ -90,7 +90,7 @@ def test_pacfl_places_the_four_rotation_groups_before_training(quickstart):
     state = alg.init_state()
     everyone = np.arange(fed.n_clients)
     ctx.channel.start_round()
-    alg.run_round(state, 1, everyone[:0])  # nobody trains: the clustering alone
+    state = alg.run_round(state, 1, everyone[:0]).state  # nobody trains: the clustering alone
     labels = alg.clusters(state)
     assert len(state.models) == 4 and purity(fed.groups, labels) == 1.0
     p, c = PACFL.Params().n_basis, fed.n_classes
@@ -107,10 +107,10 @@ def test_pacfl_places_a_newcomer_by_the_same_angles(quickstart):
     available = np.ones(fed.n_clients, dtype=bool)
     available[late] = False
     ctx.channel.start_round(available=available)
-    alg.run_round(state, 1, np.flatnonzero(available))
+    state = alg.run_round(state, 1, np.flatnonzero(available)).state
     assert (alg.clusters(state)[late] == -1).all()
     ctx.channel.start_round()
-    alg.run_round(state, 2, late)
+    state = alg.run_round(state, 2, late).state
     labels = alg.clusters(state)
     assert purity(fed.groups, labels) == 1.0
     for c in late:  # each joined a cluster of its own group's clients

@@ -146,7 +146,9 @@ def test_non_finite_model_uploads_of_own_computations_are_rejected(federation, m
     state = alg.init_state()
     everyone = np.arange(N_CLIENTS)
     for rnd in (1, 2):
-        assert np.isfinite(alg.run_round(state, rnd, everyone))
+        out = alg.run_round(state, rnd, everyone)
+        state = out.state
+        assert np.isfinite(out.loss)
         rows, _ = alg.eval_rows(state)  # (FedSoft's importances of a rejected client stay NaN:
         assert torch.isfinite(rows).all()  # "never estimated", fedsoft.FedSoftState)
     assert sorted(set(ctx.rejected)) == bad
@@ -164,7 +166,10 @@ def test_non_finite_uploads_are_rejected(federation, monkeypatch, name):
     for rnd, bad in SCHEDULE.items():
         corruptor.bad = bad
         before = copy.deepcopy(state)
-        loss = alg.run_round(state, rnd, everyone)
+        out = alg.run_round(state, rnd, everyone)
+        assert_same_state(before, state)  # the round leaves the state it was given as it was
+        state = out.state
+        loss = out.loss
         assert_finite(alg, state)
         if bad == EVERYONE:  # nothing accepted: nothing changes
             assert np.isnan(loss)
@@ -197,16 +202,18 @@ def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
     monkeypatch.setattr(cflgt_module, "gradient_trajectories", trajectories)
     state = alg.init_state()
     everyone = np.arange(N_CLIENTS)
-    alg.run_round(state, 1, everyone)
+    state = alg.run_round(state, 1, everyone).state
 
     bad[:] = everyone.tolist()  # every trajectory rejected: no clustering, retried next round
-    assert np.isnan(alg.run_round(state, 2, everyone))
+    out = alg.run_round(state, 2, everyone)
+    state = out.state
+    assert np.isnan(out.loss)
     assert not alg.clustered(state) and state.trajectories is None
     assert sorted(ctx.rejected) == everyone.tolist()
 
     ctx.rejected.clear()
     bad[:] = [0, 5]
-    alg.run_round(state, 3, everyone)
+    state = alg.run_round(state, 3, everyone).state
     assert ctx.rejected == [0, 5]
     assign = alg.clusters(state)
     assert (
@@ -218,7 +225,7 @@ def test_cflgt_rejects_non_finite_trajectories(federation, monkeypatch):
     assert_finite(alg, state)
 
     pretrained = state.global_model.clone()
-    alg.run_round(state, 4, everyone)  # the unassigned clients do not train
+    state = alg.run_round(state, 4, everyone).state  # the unassigned clients do not train
     assert ctx.rejected == [0, 5]
     rows, model_of = alg.eval_rows(state)
     assert torch.equal(rows[model_of[0]], pretrained) and torch.equal(rows[model_of[5]], pretrained)
@@ -233,11 +240,15 @@ def test_fedgroup_retries_the_cold_start_with_too_few_updates(federation, monkey
     state = alg.init_state()
     everyone = np.arange(N_CLIENTS)
     corruptor.bad = EVERYONE
-    assert np.isnan(alg.run_round(state, 1, everyone))
+    out = alg.run_round(state, 1, everyone)
+    state = out.state
+    assert np.isnan(out.loss)
     assert not state.grouped and state.cold_start_retries == 1
     assert len(ctx.rejected) == 2  # the two pre-training clients; nobody else trained
     corruptor.bad = []
-    assert np.isfinite(alg.run_round(state, 2, everyone))
+    out = alg.run_round(state, 2, everyone)
+    state = out.state
+    assert np.isfinite(out.loss)
     assert state.grouped and (state.assign >= 0).all()
     assert_finite(alg, state)
 
@@ -248,9 +259,9 @@ def test_dcfl_rejected_newcomer_stays_unassigned(federation, monkeypatch):
     alg = cls(cls.Params(), ctx)
     corruptor = corrupt(ctx, monkeypatch)
     state = alg.init_state()
-    alg.run_round(state, 1, np.arange(6))
+    state = alg.run_round(state, 1, np.arange(6)).state
     corruptor.bad = [7]
-    alg.run_round(state, 2, np.arange(N_CLIENTS))  # newcomers 6 and 7
+    state = alg.run_round(state, 2, np.arange(N_CLIENTS)).state  # newcomers 6 and 7
     assert state.assign[6] >= 0 and state.assign[7] == -1
     assert ctx.rejected == [7]  # rejected as a newcomer, then sat the round out
     assert_finite(alg, state)
@@ -263,10 +274,12 @@ def test_fesem_seeds_only_with_enough_accepted_models(federation, monkeypatch):
     corruptor = corrupt(ctx, monkeypatch)
     state = alg.init_state()
     corruptor.bad = list(range(1, N_CLIENTS))  # one accepted model for two centres
-    assert np.isfinite(alg.run_round(state, 1, np.arange(N_CLIENTS)))
+    out = alg.run_round(state, 1, np.arange(N_CLIENTS))
+    state = out.state
+    assert np.isfinite(out.loss)
     assert not state.seeded and (state.assign < 0).all()
     corruptor.bad = []
-    alg.run_round(state, 2, np.arange(N_CLIENTS))
+    state = alg.run_round(state, 2, np.arange(N_CLIENTS)).state
     assert state.seeded and (state.assign >= 0).all()
     assert_finite(alg, state)
 

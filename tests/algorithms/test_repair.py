@@ -66,7 +66,7 @@ def test_repair_separates_two_groups_that_start_in_one_cluster(cls):
         alg = cls(cls.Params(n_clusters=2, repair=repair), ctx)
         state = _merged_start(alg, alg.init_state())
         for rnd in range(1, 6):
-            alg.run_round(state, rnd, everyone)
+            state = alg.run_round(state, rnd, everyone).state
         results[repair is None] = purity(fed.groups, state.assign)
     # Without repair the groups stay merged (JGL's empty-cluster fix moves one random client).
     assert results[True] <= 5 / 8
@@ -76,17 +76,19 @@ def test_repair_separates_two_groups_that_start_in_one_cluster(cls):
 def test_repair_that_never_splits_changes_nothing():
     fed = rotated_digits(n_groups=2, clients_per_group=3, per_client=60)
     everyone = np.arange(fed.n_clients)
-    states = []
+    states, reports = [], []
     for repair in (None, ClusterRepair(separation=2.0, after=0)):
         ctx = make_context(fed, "mlp", seed=1, train=TRAIN, hidden=[8])
         alg = IFCA(IFCA.Params(n_clusters=3, repair=repair), ctx)
         state = alg.init_state()
         for rnd in range(1, 4):
-            alg.run_round(state, rnd, everyone)
+            out = alg.run_round(state, rnd, everyone)
+            state = out.state
         states.append(state)
+        reports.append(out.diagnostics)
     torch.testing.assert_close(states[0].models, states[1].models, rtol=0, atol=0)
     assert (states[0].assign == states[1].assign).all()
-    assert states[1].repair_separation is not None and states[0].repair_separation is None
+    assert reports[1]["repair/splits"] == 0.0 and "repair/splits" not in reports[0]
 
 
 def test_repair_measures_each_update_from_the_model_its_client_trained_from():
@@ -119,9 +121,10 @@ def test_fesem_repair_separates_two_groups_that_start_in_one_cluster():
         state = alg.init_state()
         state.centres[1] = state.centres[0] * 50.0  # nobody's nearest centre: both groups merged
         for rnd in range(1, 6):
-            alg.run_round(state, rnd, everyone)
+            out = alg.run_round(state, rnd, everyone)
+            state = out.state
         results[repair is None] = purity(fed.groups, state.assign)
-        logged = alg.diagnostics(state)
+        logged = out.diagnostics
         assert ("repair/splits" in logged) == (repair is not None)
     assert results[True] == 0.5  # without repair the far centre stays empty
     assert results[False] == 1.0

@@ -47,7 +47,7 @@ def test_wecfl_with_one_iteration_is_fesem_with_sample_weights(disjoint):  # noq
         state = alg.init_state()
         for rnd in (1, 2):
             ctx.channel.start_round()
-            alg.run_round(state, rnd, np.arange(N))
+            state = alg.run_round(state, rnd, np.arange(N)).state
         runs.append((state, ctx.channel.traffic, ctx.dim))
     (fesem, t1, d), (wecfl, t2, _) = runs
     assert torch.equal(fesem.centres, wecfl.centres)
@@ -64,5 +64,5 @@ def test_wecfl_separates_label_groups(disjoint):  # noqa: F811
     state = alg.init_state()
     for rnd in (1, 2):
         ctx.channel.start_round()
-        alg.run_round(state, rnd, np.arange(N))
+        state = alg.run_round(state, rnd, np.arange(N)).state
         assert ari(disjoint.groups, alg.clusters(state)) == 1.0

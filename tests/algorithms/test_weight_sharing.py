@@ -63,7 +63,7 @@ def test_shared_slice_is_the_global_average_and_the_rest_the_cluster_average(cls
     start = state.models.clone()
     assert torch.equal(start[:, :SHARED], start[:1, :SHARED].expand(3, -1))  # tied from the start
     clients = np.arange(fed.n_clients)
-    alg.run_round(state, 1, clients)
+    state = alg.run_round(state, 1, clients).state
     choice = state.assign
     assert len(np.unique(choice)) >= 2  # otherwise global and cluster averages coincide
     # The clients' trained rows, recomputed from the models they chose.
@@ -93,7 +93,7 @@ def test_the_k_models_travel_with_their_shared_layers_once(cls, params, tied_ten
         alg = cls(cls.Params(n_clusters=3, shared_layers=shared, **params), ctx)
         state = alg.init_state()
         for rnd in (1, 2):
-            alg.run_round(state, rnd, np.arange(4))
+            state = alg.run_round(state, rnd, np.arange(4)).state
         traffic[shared] = ctx.channel.traffic
     saved = 2 * 4 * tied_tensors * (3 - 1) * SHARED * FLOAT_BYTES  # rounds × clients × ...
     assert traffic[None].down - traffic["all_but_last"].down == saved
@@ -105,7 +105,7 @@ def test_a_list_of_names_shares_those_layers():
     ctx = make_context(fed, hidden=[HIDDEN])
     alg = IFCA(IFCA.Params(n_clusters=2, shared_layers=["1.bias", "3.bias"]), ctx)
     state = alg.init_state()
-    alg.run_round(state, 1, np.arange(4))
+    state = alg.run_round(state, 1, np.arange(4)).state
     biases = [slice(512, 520), slice(600, 610)]
     for cols in biases:
         assert torch.equal(state.models[0, cols], state.models[1, cols])
@@ -142,6 +142,6 @@ def test_ifca_with_shared_layers_and_repair_finds_four_rotation_groups():
     alg = IFCA(params, ctx)
     state = alg.init_state()
     for rnd in range(1, 11):
-        alg.run_round(state, rnd, np.arange(fed.n_clients))
+        state = alg.run_round(state, rnd, np.arange(fed.n_clients)).state
     assert purity(fed.groups, alg.clusters(state)) == 1.0
     assert torch.equal(state.models[:, :-650], state.models[:1, :-650].expand(4, -1))

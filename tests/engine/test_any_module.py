@@ -127,7 +127,7 @@ def test_batchnorm_statistics_are_averaged_like_the_parameters_after_one_fedavg_
     fedavg = ALGORITHMS["fedavg"](ALGORITHMS["fedavg"].Params(), ctx)
     state = fedavg.init_state()
     clients = np.arange(fed.n_clients)
-    fedavg.run_round(state, 1, clients)
+    state = fedavg.run_round(state, 1, clients).state
     own = reference_train(model, fed, clients, ctx.init_row, CFG, seed=0, rnd=1)
     sizes = torch.as_tensor(fed.train_sizes, dtype=torch.float32)
     expected = (sizes / sizes.sum()) @ own

@@ -150,7 +150,7 @@ def test_every_averaging_algorithm_aggregates_through_the_context(federation, na
     alg = cls(cls.Params(**PARAMS[name]), ctx)
     state = alg.init_state()
     for rnd in (1, 2, 3):
-        alg.run_round(state, rnd, np.arange(8))
+        state = alg.run_round(state, rnd, np.arange(8)).state
     assert ctx.aggregate.calls > 0
     rows, _ = alg.eval_rows(state)
     assert torch.isfinite(rows).all()

@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from fedcluster.engine.flat import ParamLayout
     from fedcluster.privacy import LocalDP
 
+S = TypeVar("S", bound="State")
+P = TypeVar("P", bound="AlgorithmParams")
+
 
 @dataclass
 class State:
@@ -61,14 +64,40 @@ class State:
     """
 
     def to_record(self) -> dict[str, Any]:
-        fields = {k: _encode(v) for k, v in vars(self).items()}
-        return {"type": type(self).__name__, "fields": fields}
+        stored = {k: _encode(v) for k, v in vars(self).items()}
+        return {"type": type(self).__name__, "fields": stored}
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> State:
+    def from_record(cls: type[S], record: dict[str, Any]) -> S:
+        """The state :meth:`to_record` stored.
+
+        Raises:
+            ValueError: the record holds another state class, or fields this class
+                does not have (or lacks some it needs): a checkpoint written by an
+                older fedcluster, named by its first differing field.
+        """
         if record.get("type") != cls.__name__:
             raise ValueError(f"checkpoint holds a {record.get('type')}, expected a {cls.__name__}")
-        return cls(**{k: _decode(v) for k, v in record["fields"].items()})
+        stored = record["fields"]
+        known = {f.name for f in fields(cls) if f.init}
+        gone = sorted(set(stored) - known)
+        if gone:
+            raise ValueError(
+                f"checkpoint written by an older fedcluster: state field {gone[0]!r} is no "
+                f"longer part of a {cls.__name__}"
+            )
+        missing = sorted(f.name for f in fields(cls) if _required(f) and f.name not in stored)
+        if missing:
+            raise ValueError(
+                f"checkpoint written by an older fedcluster: state field {missing[0]!r} of a "
+                f"{cls.__name__} is missing"
+            )
+        return cls(**{k: _decode(v) for k, v in stored.items()})
+
+
+def _required(f: Field[Any]) -> bool:
+    """Whether dataclass field ``f`` must be given (it has no default)."""
+    return f.init and f.default is MISSING and f.default_factory is MISSING
 
 
 def _encode(value: Any) -> Any:
@@ -98,6 +127,21 @@ class AlgorithmParams(BaseModel):
     """Hyperparameters of an algorithm; unknown keys are an error naming the key."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class RoundOutput(Generic[S]):
+    """What one round of an algorithm returns (FedJAX's ``apply``: state in, state out).
+
+    ``state`` is a new state object (tensors it did not change may be shared with
+    the state the round started from, which the round leaves as it was);
+    ``loss`` the participants' sample-weighted mean training loss (NaN when none
+    trained); ``diagnostics`` the round's scalars for ``diagnostics.csv``.
+    """
+
+    state: S
+    loss: float
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -377,15 +421,16 @@ def init_row(model: nn.Module, seed: int, purpose: str, index: int = 0) -> torch
     return ParamLayout(fresh).flatten()
 
 
-class Algorithm(ABC):
-    """Server logic of one federated algorithm."""
+class Algorithm(ABC, Generic[P, S]):
+    """Server logic of one federated algorithm, generic over its parameters ``P`` and
+    server state ``S`` (as pfl-research's ``FederatedAlgorithm`` is over its types)."""
 
     name: ClassVar[str]
     """The name a config gives in ``algorithms: [{name: ...}]`` (with :func:`register`)."""
-    Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    Params: type[P]
     """The pydantic class of the parameters (``self.params``); the YAML's ``params`` validate
     against it."""
-    StateType: ClassVar[type[State]] = State
+    StateType: type[S]
     """The class of the server state :meth:`init_state` returns (checkpoints rebuild it)."""
     per_client_models: ClassVar[bool] = False
     """Whether each client holds a model of its own (then tested with it whatever
@@ -399,30 +444,31 @@ class Algorithm(ABC):
     (:mod:`fedcluster.algorithms.select_k`). ``None`` (the default): the algorithm has no
     cluster count, and ``auto`` is refused naming the field."""
 
-    def __init__(self, params: AlgorithmParams, ctx: Context) -> None:
+    def __init__(self, params: P, ctx: Context) -> None:
         self.params = params
         self.ctx = ctx
 
     @abstractmethod
-    def init_state(self) -> State:
+    def init_state(self) -> S:
         """The server state before round 1."""
 
     @abstractmethod
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
-        """One communication round with the ``selected`` clients; updates ``state``.
+    def run_round(self, state: S, rnd: int, selected: np.ndarray) -> RoundOutput[S]:
+        """One communication round with the ``selected`` clients.
 
-        Returns the mean training loss of the participating clients
-        (sample-weighted), counting payloads in ``self.ctx.comm``.
+        Returns the new state (``state`` itself is left as it was), the mean
+        training loss of the participating clients (sample-weighted) and the
+        round's diagnostics; the channel counts the payloads.
         """
 
     @abstractmethod
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: S) -> tuple[torch.Tensor, np.ndarray]:
         """Models [M, d] and, for every client, the index of the model it uses.
 
         Only present clients' entries are used (a client not present may get −1).
         """
 
-    def evaluate(self, state: State, rnd: int) -> EvalResult:
+    def evaluate(self, state: S, rnd: int) -> EvalResult:
         """Test accuracy of every present client with the model it would use
         (``ctx.model_choice``, :mod:`fedcluster.algorithms.evaluation`)."""
         rows, model_of_client = self.eval_rows(state)
@@ -431,23 +477,20 @@ class Algorithm(ABC):
             return own_loss_evaluate(self.ctx, clients, rows, rnd)[0]
         return self.ctx.evaluate(clients, rows, model_of_client[clients], rnd)
 
-    def clusters(self, state: State) -> np.ndarray | None:
+    def clusters(self, state: S) -> np.ndarray | None:
         """Cluster id of every client (−1 unassigned), or ``None`` for unclustered methods."""
         return None
 
-    def diagnostics(self, state: State) -> dict[str, float]:
-        """Per-round scalars worth logging (e.g. DCFL's Dunn index); ``diagnostics.csv``."""
-        return {}
-
-    def artifacts(self, state: State) -> dict[str, np.ndarray]:
+    def artifacts(self, state: S) -> dict[str, np.ndarray]:
         """Arrays saved with the run when the job ends (e.g. CFLGT's trajectories)."""
         return {}
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {}
+ALGORITHMS: dict[str, type[Algorithm[Any, Any]]] = {}
+A = TypeVar("A", bound=Algorithm[Any, Any])
 
 
-def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm]:
+def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm[Any, Any]]:
     """The algorithm called ``name``: registered, ``package.module:Class``, or an installed
     plugin (:mod:`fedcluster.plugins`); a :class:`~fedcluster.errors.ConfigError` naming
     the field ``where`` otherwise."""
@@ -460,6 +503,12 @@ def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm]:
             f"field '{where}.name': {name!r} is {cls!r}, not a subclass of "
             "fedcluster.algorithms.base.Algorithm"
         )
+    for declared in ("Params", "StateType"):
+        if not hasattr(cls, declared):
+            raise ConfigError(
+                f"field '{where}.name': {name!r} ({cls.__module__}.{cls.__qualname__}) "
+                f"declares no {declared} class"
+            )
     return cls
 
 
@@ -481,10 +530,11 @@ def algorithm_params(spec: AlgorithmSpec, index: int = 0, k: int | None = None) 
     if auto is not None and k is not None:
         params[auto.field] = k
     try:
-        return cls.Params(**params)
+        validated: AlgorithmParams = cls.Params(**params)
     except ValidationError as exc:
-        fields = "; ".join(describe_error(e, f"algorithms.{index}.params") for e in exc.errors())
+        fields = "; ".join(describe_error(dict(e), where) for e in exc.errors())
         raise ConfigError(f"invalid config: {spec.name} {fields}") from None
+    return validated
 
 
 def check_algorithms(config: ExperimentConfig) -> None:
@@ -493,7 +543,7 @@ def check_algorithms(config: ExperimentConfig) -> None:
         algorithm_params(spec, i)
 
 
-def register(cls: type[Algorithm]) -> type[Algorithm]:
+def register(cls: type[A]) -> type[A]:
     """Class decorator: make an algorithm runnable by name.
 
     Raises:

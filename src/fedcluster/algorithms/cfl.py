@@ -27,7 +27,7 @@ Choosing ε1 and ε2 (docs/clustering.md). Both norms scale with the
 learning rate, the local steps and the model, so the reference values do not
 transfer: on Fashion-MNIST rotations (MLP, lr 0.05, ~10 local steps)
 ‖Δθ_c‖ stays within 0.08-0.18 and max ‖Δθ_i‖ within 0.16-0.56, so ε2 = 1.6
-never holds and CFL is FedAvg. :meth:`CFL.diagnostics` logs, per round and
+never holds and CFL is FedAvg. Each round's diagnostics (:func:`split_report`) log, per
 cluster, ``mean_norm``, ``max_norm``, ``eps1``, ``eps2``, ``split`` and
 ``alpha_cross`` (the candidate split's α_max^cross) to ``diagnostics.csv``:
 read them from one run and set ε1 above the mean norm's plateau after the
@@ -87,7 +87,7 @@ assume a fixed population):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -95,7 +95,14 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.clustering.distances import cosine_similarity_matrix, cosine_to
 from fedcluster.clustering.methods import bipartition
 from fedcluster.engine.flat import weighted_average
@@ -136,24 +143,51 @@ class CFLState(State):
     """The members of each cluster."""
     models: torch.Tensor
     """The cluster models [K, d]."""
-    update_norms: np.ndarray
-    """Per cluster, the last round's ‖Δθ_c‖ and max_i ‖Δθ_i‖ [K, 2] (NaN: no member took
-    part; the halves of a split report their parent's)."""
     split_rounds: list[int]
     root: torch.Tensor | None
     """θ_root, the model of the first cluster split (newcomers start here)."""
     reference_norms: list[float] = field(default_factory=list)
     """Relative thresholds: the mean-update norms of the first reference rounds."""
-    split_now: np.ndarray | None = None
-    """Per cluster after the round: whether it is a half of a split made this round."""
-    alpha_cross: np.ndarray | None = None
-    """Per cluster: the largest cross-half cosine similarity of its candidate split."""
-    eps_now: list[float] | None = None
-    """The (ε1, ε2) the round used."""
+
+
+def cluster_labels(clusters: list[np.ndarray], n_clients: int) -> np.ndarray:
+    """Each client's cluster [n_clients] from the clusters' members (−1: in none)."""
+    labels = np.full(n_clients, -1, dtype=np.int64)
+    for c, members in enumerate(clusters):
+        labels[members] = c
+    return labels
+
+
+def split_report(
+    norms: np.ndarray, eps: tuple[float, float], split: list[bool], alphas: list[float]
+) -> dict[str, float]:
+    """Per cluster ``c<k>/``: the split criterion's quantities of the round.
+
+    ``mean_norm`` ‖Δθ_c‖ (sample-weighted mean update), ``max_norm``
+    max_i ‖Δθ_i‖ (both NaN if no member took part; the halves of a split
+    report their parent's; ``norms`` [K, 2]), ``eps1``/``eps2`` the thresholds
+    the round used (:meth:`CFL.thresholds`), ``split`` 1 if the cluster is a half
+    of a split made this round, ``alpha_cross`` the largest cross-half cosine
+    similarity α_max^cross of the cluster's candidate bi-partition (computed
+    whenever the cluster is examined: past the warm-up with all members present;
+    the halves of a split report their parent's; NaN otherwise -- the separation
+    theorem's quantity: a split is worth keeping when it is small). Clusters are
+    numbered as after the round.
+    """
+    eps1, eps2 = eps
+    out: dict[str, float] = {}
+    for c, (mean_norm, max_norm) in enumerate(norms):
+        out[f"c{c}/mean_norm"] = float(mean_norm)
+        out[f"c{c}/max_norm"] = float(max_norm)
+        out[f"c{c}/eps1"] = eps1
+        out[f"c{c}/eps2"] = eps2
+        out[f"c{c}/split"] = float(split[c])
+        out[f"c{c}/alpha_cross"] = float(alphas[c])
+    return out
 
 
 @register
-class CFL(Algorithm):
+class CFL(Algorithm[CFLParams, CFLState]):
     """Sattler et al.'s clustered FL: recursive bi-partitioning by cosine similarity."""
 
     name = "cfl"
@@ -164,59 +198,65 @@ class CFL(Algorithm):
         return CFLState(
             clusters=[np.arange(self.ctx.n_clients, dtype=np.int64)],
             models=self.ctx.init_row.unsqueeze(0).clone(),
-            update_norms=np.full((1, 2), np.nan),
             split_rounds=[],
             root=None,
         )
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(self, state: CFLState, rnd: int, selected: np.ndarray) -> RoundOutput[CFLState]:
         ctx = self.ctx
         newcomers = selected[self.clusters(state)[selected] < 0]
         if len(newcomers):
-            self.assign_newcomers(state, newcomers, rnd)
+            state = replace(state, clusters=self.place_newcomers(state, newcomers, rnd))
         labels = self.clusters(state)[selected]
         selected, labels = selected[labels >= 0], labels[labels >= 0]  # failed newcomers sit out
         if not len(selected):
-            return float("nan")
+            return RoundOutput(state, float("nan"))
         start = state.models[labels]
         ex = ctx.exchange(selected, start, rnd, ints=1)  # update and sample count
         if not len(ex.clients):
-            return float("nan")
+            return RoundOutput(state, float("nan"))
         selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
         updates = ctx.compared(ex.rows - start)
         sizes = ctx.train_sizes[selected]
 
         clusters, models, norms, flags, alphas = [], [], [], [], []
+        split_rounds, root = list(state.split_rounds), state.root
         eps = self.thresholds(state)
         for c, members in enumerate(state.clusters):
             part = np.flatnonzero(labels == c)
             halves = [members]
-            self.alpha_cross = np.nan
+            cross = np.nan
             if len(part):
                 mean = weighted_average(updates[part], torch.as_tensor(sizes[part]))
                 norm = (float(mean.norm()), float(updates[part].norm(dim=1).max()))
                 everyone = len(part) == int(ctx.present[members].sum())
                 if everyone and rnd > self.params.warmup_rounds:
-                    split = self._split(selected[part], updates[part], norm, eps)
+                    split, cross = self._split(selected[part], updates[part], norm, eps)
                     halves = split if len(split) == 2 else halves
             else:
                 norm = (np.nan, np.nan)
             flags += [len(halves) == 2] * len(halves)
-            alphas += [self.alpha_cross] * len(halves)
+            alphas += [cross] * len(halves)
             if len(halves) == 2:
-                state.split_rounds.append(rnd)
-                if state.root is None:
-                    state.root = state.models[c].clone()
+                split_rounds.append(rnd)
+                if root is None:
+                    root = state.models[c].clone()
             clusters += halves
             models += [state.models[c]] * len(halves)
             norms += [norm] * len(halves)
 
-        state.clusters = clusters
-        state.update_norms = np.array(norms)
-        self._observe(state, rnd, flags, eps, alphas)
-        labels = self.clusters(state)[selected]
-        state.models = cluster_average(ex.rows, labels, torch.stack(models), sizes, ctx.aggregate)
-        return weighted_loss(ex.loss, sizes)
+        update_norms = np.array(norms)
+        labels = cluster_labels(clusters, ctx.n_clients)[selected]
+        new = replace(
+            state,
+            clusters=clusters,
+            models=cluster_average(ex.rows, labels, torch.stack(models), sizes, ctx.aggregate),
+            split_rounds=split_rounds,
+            root=root,
+            reference_norms=self._references(state.reference_norms, clusters, update_norms),
+        )
+        report = split_report(update_norms, eps, flags, alphas)
+        return RoundOutput(new, weighted_loss(ex.loss, sizes), report)
 
     def _split(
         self,
@@ -224,27 +264,27 @@ class CFL(Algorithm):
         updates: torch.Tensor,
         norm: tuple[float, float],
         eps: tuple[float, float] | None = None,
-    ) -> list[np.ndarray]:
-        """The cluster ``members`` as one or two halves, by Sattler's criteria."""
+    ) -> tuple[list[np.ndarray], float]:
+        """The cluster ``members`` as one or two halves, by Sattler's criteria, and the
+        α_max^cross of the candidate split (NaN with fewer than 2 members)."""
         p = self.params
         mean_norm, max_norm = norm
         eps1, eps2 = (p.eps1, p.eps2) if eps is None else eps
         if len(members) < 2:
-            return [members]
+            return [members], np.nan
         sim = cosine_similarity_matrix(updates)
         first, second = bipartition(sim, members)
         in_first = torch.as_tensor(np.isin(members, first))
         cross = float(sim[in_first][:, ~in_first].max())
-        self.alpha_cross = cross  # α_max^cross of the candidate split, for diagnostics()
         if not (mean_norm < eps1 and max_norm > eps2):
-            return [members]
+            return [members], cross
         if min(len(first), len(second)) < p.min_cluster_size:
-            return [members]
+            return [members], cross
         if p.gamma_max is not None and not p.gamma_max < np.sqrt((1.0 - cross) / 2.0):
-            return [members]
-        return [np.sort(first), np.sort(second)]
+            return [members], cross
+        return [np.sort(first), np.sort(second)], cross
 
-    def thresholds(self, state: State) -> tuple[float, float]:
+    def thresholds(self, state: CFLState) -> tuple[float, float]:
         """This round's (ε1, ε2): the parameters, or with ``thresholds: relative`` those
         fractions of the reference norm (module docstring; (0, inf) -- no split -- until
         a reference round has been seen)."""
@@ -257,77 +297,43 @@ class CFL(Algorithm):
         unit = float(np.mean(ref))
         return p.eps1 * unit, p.eps2 * unit
 
-    def _observe(
-        self,
-        state: State,
-        rnd: int,
-        split: list[bool],
-        eps: tuple[float, float],
-        alphas: list[float],
-    ) -> None:
-        """Keep what :meth:`diagnostics` reports and the relative thresholds' reference."""
-        state.split_now = np.array(split, dtype=bool)
-        state.alpha_cross = np.array(alphas, dtype=np.float64)
-        state.eps_now = list(eps)
-        ref = state.reference_norms
-        mean_norm = float(state.update_norms[0, 0])
-        single = len(state.clusters) == 1
+    def _references(
+        self, ref: list[float], clusters: list[np.ndarray], norms: np.ndarray
+    ) -> list[float]:
+        """The relative thresholds' reference norms after the round: the round's mean-update
+        norm joins them while there is one cluster and fewer than ``reference_rounds``."""
+        mean_norm = float(norms[0, 0])
+        single = len(clusters) == 1
         if single and len(ref) < self.params.reference_rounds and np.isfinite(mean_norm):
-            ref.append(mean_norm)
+            return [*ref, mean_norm]
+        return ref
 
-    def diagnostics(self, state: State) -> dict[str, float]:
-        """Per cluster ``c<k>/``: the split criterion's quantities of the round.
-
-        ``mean_norm`` ‖Δθ_c‖ (sample-weighted mean update), ``max_norm``
-        max_i ‖Δθ_i‖ (both NaN if no member took part; the halves of a split
-        report their parent's), ``eps1``/``eps2`` the thresholds in force
-        the round used (:meth:`thresholds`), ``split`` 1 if the cluster is a half of a split
-        made this round, ``alpha_cross`` the largest cross-half cosine similarity
-        α_max^cross of the cluster's candidate bi-partition (computed whenever
-        the cluster is examined: past the warm-up with all members present; the
-        halves of a split report their parent's; NaN otherwise -- the separation
-        theorem's quantity: a split is worth keeping when it is small).
-        Clusters are numbered as after the round.
-        """
-        eps1, eps2 = self.thresholds(state) if state.eps_now is None else state.eps_now
-        k = len(state.clusters)
-        split = np.zeros(k, dtype=bool) if state.split_now is None else state.split_now
-        alpha = np.full(k, np.nan) if state.alpha_cross is None else state.alpha_cross
-        out: dict[str, float] = {}
-        for c, (mean_norm, max_norm) in enumerate(state.update_norms):
-            out[f"c{c}/mean_norm"] = float(mean_norm)
-            out[f"c{c}/max_norm"] = float(max_norm)
-            out[f"c{c}/eps1"] = eps1
-            out[f"c{c}/eps2"] = eps2
-            out[f"c{c}/split"] = float(split[c]) if c < len(split) else 0.0
-            out[f"c{c}/alpha_cross"] = float(alpha[c]) if c < len(alpha) else np.nan
-        return out
-
-    def assign_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> None:
-        """Place clients without a cluster (module docstring: newcomers)."""
+    def place_newcomers(self, state: CFLState, clients: np.ndarray, rnd: int) -> list[np.ndarray]:
+        """The clusters' members with the clients without a cluster among ``clients``
+        placed (module docstring: newcomers)."""
         if len(state.clusters) == 1:
-            state.clusters[0] = np.union1d(state.clusters[0], clients)
-            return
+            return [np.union1d(state.clusters[0], clients)]
         ctx = self.ctx
         root = state.root
+        assert root is not None  # there is more than one cluster: one has been split
         ex = ctx.exchange(clients, root, rnd, purpose="newcomer")
         if not len(ex.clients):
-            return
-        choice = cosine_to(ctx.compared(ex.rows - root), ctx.compared(state.models - root))
-        choice = choice.argmax(dim=1).numpy()
+            return state.clusters
+        cosines = cosine_to(ctx.compared(ex.rows - root), ctx.compared(state.models - root))
+        choice = cosines.argmax(dim=1).numpy()
+        clusters = list(state.clusters)
         for c in np.unique(choice):
-            state.clusters[c] = np.union1d(state.clusters[c], ex.clients[choice == c])
+            clusters[c] = np.union1d(clusters[c], ex.clients[choice == c])
+        return clusters
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: CFLState) -> tuple[torch.Tensor, np.ndarray]:
         """Cluster models; unassigned clients (module docstring) use θ_root."""
         labels = self.clusters(state)
         if (labels >= 0).all():
             return state.models, labels
+        assert state.root is not None  # only newcomers after a split are unassigned
         rows = torch.cat([state.models, state.root.unsqueeze(0)])
         return rows, np.where(labels >= 0, labels, len(state.models))
 
-    def clusters(self, state: State) -> np.ndarray:
-        labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
-        for c, members in enumerate(state.clusters):
-            labels[members] = c
-        return labels
+    def clusters(self, state: CFLState) -> np.ndarray:
+        return cluster_labels(state.clusters, self.ctx.n_clients)

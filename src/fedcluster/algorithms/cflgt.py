@@ -29,7 +29,9 @@ paper); ``cluster_fraction=None`` uses the runner's selection as U^t. For the
 paper's protocol, set the run's participation to 0.2 as well, so pre-training
 also uses 20% of the clients.
 
-Server-side diagnostics, kept in the state for the run directory:
+The clustering's record, kept in the state (newcomers are placed by the
+trajectories; the run directory saves them and ``cv`` when the job ends, and
+every round's diagnostics report ``cv_z1``, ``cv_z2`` and ``hopkins``):
 ``state.trajectories`` (float32 [M, C, 2], the accepted clients' in client
 order), ``state.cv`` (coefficient
 of variation of the Z1' and Z2' coordinates of all points, Sec. III-C) and
@@ -78,8 +80,8 @@ clusters once as well).
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -88,12 +90,11 @@ from pydantic import Field
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
-    Context,
-    State,
+    RoundOutput,
     register,
     weighted_loss,
 )
-from fedcluster.algorithms.fedavg import FedAvg, FedAvgState
+from fedcluster.algorithms.fedavg import FedAvgState, fedavg_step
 from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
@@ -157,25 +158,23 @@ class CFLGTState(OneShotState):
     hopkins: float | None = None
 
 
-class OneShotClustering(Algorithm):
+OP = TypeVar("OP", bound=AlgorithmParams)
+OS = TypeVar("OS", bound=OneShotState)
+
+
+class OneShotClustering(Algorithm[OP, OS]):
     """Pre-train FedAvg, cluster all clients once, then per-cluster FedAvg.
 
     State: ``global`` (the pre-trained model [d]), ``models`` (cluster models
     [K, d], empty before clustering), ``assign`` (cluster of every client,
     −1 before clustering) and ``excluded`` (clients whose clustering-round
     upload was rejected). Subclasses provide :meth:`cluster_clients` and
-    :meth:`place_newcomers` and may override :meth:`participants`.
+    :meth:`place_newcomers` and may override :meth:`participants` and
+    :meth:`clustering_report`.
     """
 
-    Params = OneShotParams
-    StateType = OneShotState
-
-    def __init__(self, params: OneShotParams, ctx: Context) -> None:
-        super().__init__(params, ctx)
-        self.fedavg = FedAvg(FedAvg.Params(), ctx)
-
-    def init_state(self) -> OneShotState:
-        return OneShotState(
+    def init_state(self) -> OS:
+        return self.StateType(
             global_model=self.ctx.init_row.clone(),
             models=torch.empty(0, self.ctx.dim),
             assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
@@ -183,38 +182,56 @@ class OneShotClustering(Algorithm):
         )
 
     @staticmethod
-    def clustered(state: State) -> bool:
+    def clustered(state: OneShotState) -> bool:
         return len(state.models) > 0
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
-        if rnd <= self.params.pretrain_rounds:
-            return self.fedavg.run_round(state, rnd, selected)
-        if not self.clustered(state):
-            return self.clustering_round(state, rnd)
-        return self.clustered_round(state, rnd, selected)
+    def pretraining(self) -> int:
+        """The FedAvg rounds before the clustering round (``pretrain_rounds``; none without)."""
+        return self.params.pretrain_rounds if isinstance(self.params, OneShotParams) else 0
 
-    def clustering_round(self, state: State, rnd: int) -> float:
+    def run_round(self, state: OS, rnd: int, selected: np.ndarray) -> RoundOutput[OS]:
+        if rnd <= self.pretraining():
+            state, loss = self.pretrain_round(state, rnd, selected)
+        elif not self.clustered(state):
+            state, loss = self.clustering_round(state, rnd)
+        else:
+            state, loss = self.clustered_round(state, rnd, selected)
+        return RoundOutput(state, loss, self.clustering_report(state))
+
+    def pretrain_round(self, state: OS, rnd: int, selected: np.ndarray) -> tuple[OS, float]:
+        """One FedAvg round of the global model (:func:`.fedavg.fedavg_step`)."""
+        ctx = self.ctx
+        model, ex = fedavg_step(ctx, state.global_model, rnd, selected, ctx.local(mu=0.0))
+        loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
+        return replace(state, global_model=model), loss
+
+    def clustering_round(self, state: OS, rnd: int) -> tuple[OS, float]:
         """Cluster the reachable clients once; every cluster model starts as the global
-        model. Returns the round's loss (NaN when no client trained)."""
-        labels, loss = self.cluster_clients(state, rnd)
+        model. Returns the new state and the round's loss (NaN when no client trained)."""
+        state, labels, loss = self.cluster_clients(state, rnd)
         if (labels >= 0).any():
-            state.assign = labels
-            state.models = state.global_model.unsqueeze(0).repeat(int(labels.max()) + 1, 1)
-            state.excluded[self.ctx.rejected] = True
-        return loss
+            excluded = state.excluded.copy()
+            excluded[self.ctx.rejected] = True
+            models = state.global_model.unsqueeze(0).repeat(int(labels.max()) + 1, 1)
+            state = replace(state, assign=labels, models=models, excluded=excluded)
+        return state, loss
 
-    def clustered_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def clustered_round(self, state: OS, rnd: int, selected: np.ndarray) -> tuple[OS, float]:
         """Place the participants that are newcomers, then one FedAvg round per cluster."""
         participants = self.participants(state, rnd, selected)
         assign = state.assign
         newcomers = participants[(assign[participants] < 0) & ~state.excluded[participants]]
         if len(newcomers):
+            assign = assign.copy()
             assign[newcomers] = self.place_newcomers(state, newcomers, rnd)
+            state = replace(state, assign=assign)
         return self.cluster_fedavg(state, rnd, participants)
 
     @abstractmethod
-    def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
-        """Cluster labels 0..K−1 of the reachable clients from ``state.global_model``; round loss.
+    def cluster_clients(self, state: OS, rnd: int) -> tuple[OS, np.ndarray, float]:
+        """Cluster the reachable clients from ``state.global_model``: the state with what
+        the subclass keeps of the clustering, the labels 0..K−1 of every client, the
+        round's loss.
 
         −1 labels a client not clustered (unreachable, failed, or its upload
         rejected); all −1 means that nothing could be clustered (the next
@@ -222,30 +239,38 @@ class OneShotClustering(Algorithm):
         """
 
     @abstractmethod
-    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+    def place_newcomers(self, state: OS, clients: np.ndarray, rnd: int) -> np.ndarray:
         """The cluster of each newcomer in ``clients`` (−1: its upload failed or was rejected)."""
 
-    def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
+    def participants(self, state: OS, rnd: int, selected: np.ndarray) -> np.ndarray:
         """The clients that train in a clustered round (default: the runner's selection)."""
         return selected
 
-    def cluster_fedavg(self, state: State, rnd: int, participants: np.ndarray) -> float:
-        """One FedAvg round per cluster with its members among ``participants``."""
+    def clustering_report(self, state: OS) -> dict[str, float]:
+        """What every round's diagnostics report about the state's clustering (default: nothing)."""
+        return {}
+
+    def cluster_fedavg(self, state: OS, rnd: int, participants: np.ndarray) -> tuple[OS, float]:
+        """One FedAvg round per cluster with its members among ``participants``
+        (:func:`~fedcluster.algorithms.fedavg.fedavg_step`)."""
+        ctx = self.ctx
+        models = list(state.models)
         exchanges = []
-        for c in range(len(state.models)):
+        for c in range(len(models)):
             members = participants[state.assign[participants] == c]
             if len(members) == 0:
                 continue
-            cluster_state = FedAvgState(state.models[c])
-            exchanges.append(self.fedavg.step(cluster_state, rnd, members))
-            state.models[c] = cluster_state.global_model
+            models[c], ex = fedavg_step(ctx, state.models[c], rnd, members, ctx.local(mu=0.0))
+            exchanges.append(ex)
         if not exchanges:
-            return float("nan")
+            return state, float("nan")
         clients = np.concatenate([ex.clients for ex in exchanges])
         loss = torch.cat([ex.loss for ex in exchanges])
-        return weighted_loss(loss, self.ctx.train_sizes[clients])
+        return replace(state, models=torch.stack(models)), weighted_loss(
+            loss, ctx.train_sizes[clients]
+        )
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: OS) -> tuple[torch.Tensor, np.ndarray]:
         """Cluster models; clients without a cluster use the pre-trained global model."""
         models, assign = state.models, state.assign
         if (assign >= 0).all():
@@ -253,7 +278,7 @@ class OneShotClustering(Algorithm):
         rows = torch.cat([models, state.global_model.unsqueeze(0)])
         return rows, np.where(assign >= 0, assign, len(models)).astype(np.int64)
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: OS) -> np.ndarray:
         return state.assign.copy()
 
 
@@ -281,18 +306,15 @@ class CFLGTParams(OneShotParams):
 
 
 @register
-class CFLGT(OneShotClustering):
+class CFLGT(OneShotClustering[CFLGTParams, CFLGTState]):
     """CFLGT (Alg. 1): FedAvg pre-training, trajectory clustering by AP, per-cluster FedAvg."""
 
     name = "cflgt"
     Params = CFLGTParams
     StateType = CFLGTState
 
-    def init_state(self) -> CFLGTState:
-        return CFLGTState(**vars(super().init_state()))
-
     def trajectories(
-        self, state: State, clients: np.ndarray, rnd: int
+        self, state: CFLGTState, clients: np.ndarray, rnd: int
     ) -> tuple[np.ndarray, torch.Tensor]:
         """Clients receive h_g and upload their trajectories (eqs. 6-8): accepted ids and [m, C, 2].
 
@@ -308,32 +330,35 @@ class CFLGT(OneShotClustering):
         replies = self.ctx.ask(TRAJECTORY, clients, request, rnd)
         return replies.clients, replies["trajectory"]
 
-    def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
+    def cluster_clients(self, state: CFLGTState, rnd: int) -> tuple[CFLGTState, np.ndarray, float]:
         ctx = self.ctx
         p = self.params
         clients, traj = self.trajectories(state, ctx.available_clients(), rnd)
         labels = np.full(ctx.n_clients, -1, dtype=np.int64)
         if not len(clients):
-            return labels, float("nan")
+            return state, labels, float("nan")
         labels[clients] = affinity_propagation(
             -trajectory_distance_matrix(traj),
             preference=p.preference,
             damping=p.damping,
             random_state=int(numpy_rng(ctx.seed, "cflgt/affinity").integers(2**31)),
         )
-        state.trajectories = traj
-        state.trajectory_clients = clients
-        state.cv = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
+        cv = coefficient_of_variation(traj.reshape(-1, 2), axis=0)
+        tendency = state.hopkins
         if len(traj) >= 2:
-            state.hopkins = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
-        return labels, float("nan")
+            tendency = hopkins(traj.flatten(1), rng=numpy_rng(ctx.seed, "cflgt/hopkins"))
+        clustered = replace(
+            state, trajectories=traj, trajectory_clients=clients, cv=cv, hopkins=tendency
+        )
+        return clustered, labels, float("nan")
 
-    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+    def place_newcomers(self, state: CFLGTState, clients: np.ndarray, rnd: int) -> np.ndarray:
         """Nearest cluster by mean trajectory distance to its members (module docstring)."""
         labels = np.full(len(clients), -1, dtype=np.int64)
         accepted, traj = self.trajectories(state, clients, rnd)
         if not len(accepted):
             return labels
+        assert state.trajectories is not None and state.trajectory_clients is not None
         dist = trajectory_distance_to(traj, state.trajectories)  # [m, M]
         member_of = state.assign[state.trajectory_clients]
         k = len(state.models)
@@ -341,7 +366,8 @@ class CFLGT(OneShotClustering):
         labels[np.isin(clients, accepted)] = mean.argmin(dim=1).numpy()
         return labels
 
-    def diagnostics(self, state: State) -> dict[str, float]:
+    def clustering_report(self, state: CFLGTState) -> dict[str, float]:
+        """``cv_z1``, ``cv_z2`` and ``hopkins`` of the clustering round's trajectories."""
         if state.trajectories is None:
             return {}
         cv = np.asarray(state.cv, dtype=np.float64)
@@ -350,12 +376,12 @@ class CFLGT(OneShotClustering):
             out["hopkins"] = float(state.hopkins)
         return out
 
-    def artifacts(self, state: State) -> dict[str, np.ndarray]:
+    def artifacts(self, state: CFLGTState) -> dict[str, np.ndarray]:
         if state.trajectories is None:
             return {}
         return {"trajectories": np.asarray(state.trajectories), "cv": np.asarray(state.cv)}
 
-    def participants(self, state: State, rnd: int, selected: np.ndarray) -> np.ndarray:
+    def participants(self, state: CFLGTState, rnd: int, selected: np.ndarray) -> np.ndarray:
         p = self.params
         if p.cluster_fraction is None:
             return selected

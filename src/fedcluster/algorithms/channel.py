@@ -345,10 +345,10 @@ class Channel:
             return np.ones(len(clients), dtype=bool)
         flat = payload.flatten(1) if payload.dim() > 1 else payload.unsqueeze(1)
         # A row sum is finite unless the row holds NaN/Inf (or overflows): check only those.
-        keep = flat.sum(dim=1).isfinite()
-        for i in torch.nonzero(~keep).flatten().tolist():
-            keep[i] = bool(torch.isfinite(flat[i]).all())
-        keep = keep.numpy()
+        finite = flat.sum(dim=1).isfinite()
+        for i in torch.nonzero(~finite).flatten().tolist():
+            finite[i] = bool(torch.isfinite(flat[i]).all())
+        keep = finite.numpy()
         among = np.ones(len(clients), dtype=bool) if among is None else among
         for c in clients[~keep & among]:
             self._reject(c, rnd, _what(what), "non-finite values")

@@ -39,8 +39,8 @@ cluster keeps its own layers, and its shared layers move with everyone's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ from fedcluster.algorithms.base import (
     AlgorithmParams,
     Context,
     Exchange,
+    RoundOutput,
     State,
     log,
     weighted_loss,
@@ -151,6 +152,9 @@ class Choice:
 
     clients: np.ndarray
     clusters: np.ndarray
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    """What the choice reports for ``diagnostics.csv`` (e.g. JGL's choices that are not
+    the loss argmin)."""
 
 
 def argmax_random_ties(score: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
@@ -169,20 +173,18 @@ class ClusterModelState(State):
     """Each model's last update Δw_k [K, d] (JGL eq. 2)."""
     assign: np.ndarray
     """Each client's last cluster (−1: never chose)."""
-    repair_separation: np.ndarray | None = None
-    """With cluster repair on: each cluster's separation score in the last round."""
-    repair_splits: int = 0
-    """With cluster repair on: clusters split in the last round."""
 
 
-class ClusterModelAlgorithm(Algorithm):
+CP = TypeVar("CP", bound=ClusterModelParams)
+
+
+class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
     """Base class: K cluster models, client-side choice, per-cluster averaging."""
 
-    Params = ClusterModelParams
     cluster_count = "n_clusters"
     StateType = ClusterModelState
 
-    def __init__(self, params: ClusterModelParams, ctx: Context) -> None:
+    def __init__(self, params: CP, ctx: Context) -> None:
         super().__init__(params, ctx)
         self.shared = shared_columns(params.shared_layers, ctx.layout, self.name)
         """The columns the K models share (``shared_layers``), or None."""
@@ -235,7 +237,7 @@ class ClusterModelAlgorithm(Algorithm):
         )
         return models
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
+    def choose(self, state: ClusterModelState, rnd: int, selected: np.ndarray) -> Choice:
         """Cluster choice of the selected clients that answered the decision query."""
         raise NotImplementedError
 
@@ -268,9 +270,12 @@ class ClusterModelAlgorithm(Algorithm):
         )
         return self.ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
 
-    def choose_and_train(self, state: State, rnd: int, selected: np.ndarray) -> Replies:
+    def choose_and_train(
+        self, state: ClusterModelState, rnd: int, selected: np.ndarray
+    ) -> tuple[Replies, dict[str, float]]:
         """``choice_on_device``: the selected clients choose, train and upload in one
-        message; the accepted replies (:meth:`ask_device_choice`)."""
+        message; the accepted replies (:meth:`ask_device_choice`) and what the choice
+        reports for ``diagnostics.csv``."""
         raise NotImplementedError
 
     def ask_device_choice(
@@ -308,34 +313,35 @@ class ClusterModelAlgorithm(Algorithm):
         ints = self.upload_ints() - 1  # the cluster id travels in the reply
         return ctx.ask(computation, selected, request, rnd, metadata_ints=ints)
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: ClusterModelState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[ClusterModelState]:
         ctx = self.ctx
         if self.params.choice_on_device:
-            replies = self.choose_and_train(state, rnd, selected)
+            replies, found = self.choose_and_train(state, rnd, selected)
             ex = Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
             choice = replies["cluster"].numpy().astype(np.int64)
             if not len(ex.clients):
-                return float("nan")
+                return RoundOutput(state, float("nan"), found)
         else:
             chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
+            found = chosen.diagnostics
             choice = chosen.clusters
             ex = ctx.exchange(
                 chosen.clients, state.models[choice], rnd, ints=self.upload_ints(), held=True
             )
             if not len(ex.clients):
-                return float("nan")
+                return RoundOutput(state, float("nan"), found)
             choice = choice[ex.keep]
         sizes = ctx.train_sizes[ex.clients]
         weights = sizes if self.params.weighting == "samples" else None
         old = state.models
-        new = cluster_average(
-            ex.rows, choice, state.models, weights, ctx.aggregate, shared=self.shared
-        )
-        state.delta = new - state.models
-        state.models = new
-        state.assign[ex.clients] = choice
-        self.repair(state, rnd, old, ex, choice, weights)
-        return weighted_loss(ex.loss, sizes)
+        new = cluster_average(ex.rows, choice, old, weights, ctx.aggregate, shared=self.shared)
+        assign = state.assign.copy()
+        assign[ex.clients] = choice
+        averaged = replace(state, models=new, delta=new - old, assign=assign)
+        repaired, report = self.repair(averaged, rnd, old, ex, choice, weights)
+        return RoundOutput(repaired, weighted_loss(ex.loss, sizes), {**report, **found})
 
     def repair(
         self,
@@ -345,8 +351,10 @@ class ClusterModelAlgorithm(Algorithm):
         ex: Exchange,
         choice: np.ndarray,
         weights: np.ndarray | None,
-    ) -> None:
-        """Opt-in cluster repair after the round's averaging (:mod:`.repair`); no-op when off.
+    ) -> tuple[ClusterModelState, dict[str, float]]:
+        """Opt-in cluster repair of the round's averaged ``state`` (:mod:`.repair`): the
+        repaired state and the repair's diagnostics (``repair/c<k>/separation``,
+        ``repair/splits``); ``state`` and no diagnostics when repair is off.
 
         ``old``: the models the clients trained from; ``ex``/``choice``: the
         accepted uploads and their clusters.
@@ -363,25 +371,25 @@ class ClusterModelAlgorithm(Algorithm):
             compared=self.ctx.compared,
         )
         if fixed is None:
-            return
+            return state, {}
+        models, delta = fixed.models, fixed.delta
         if self.shared is not None:  # the halves' averages keep the averaged shared layers
-            fixed.models[:, self.shared] = state.models[0, self.shared]
-            fixed.delta[:, self.shared] = state.delta[0, self.shared]
-        state.models, state.delta = fixed.models, fixed.delta
-        state.assign[ex.clients] = fixed.choice
-        state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
+            models = models.clone()
+            delta = delta.clone()
+            models[:, self.shared] = state.models[0, self.shared]
+            delta[:, self.shared] = state.delta[0, self.shared]
+        assign = state.assign.copy()
+        assign[ex.clients] = fixed.choice
         for split, target in fixed.splits:
             log.info("%s round %d: repair split cluster %d into %d", self.name, rnd, split, target)
-
-    def diagnostics(self, state: ClusterModelState) -> dict[str, float]:
-        """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
-        return repair_diagnostics(state.repair_separation, state.repair_splits)
+        repaired = replace(state, models=models, delta=delta, assign=assign)
+        return repaired, repair_diagnostics(fixed.separation, len(fixed.splits))
 
     def upload_ints(self) -> int:
         """Integers each client uploads besides its model (cluster id, sample count)."""
         return 2 if self.params.weighting == "samples" else 1
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: ClusterModelState) -> tuple[torch.Tensor, np.ndarray]:
         assign = state.assign.copy()
         unknown = np.flatnonzero((assign < 0) & self.ctx.present)
         if len(unknown):
@@ -391,7 +399,7 @@ class ClusterModelAlgorithm(Algorithm):
             assign[loss.clients] = loss["losses"].argmin(dim=1).numpy()
         return state.models, assign
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: ClusterModelState) -> np.ndarray:
         return state.assign.copy()
 
     def tie_rng(self, rnd: int) -> np.random.Generator:

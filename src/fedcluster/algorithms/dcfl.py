@@ -58,8 +58,9 @@ Choices where the paper is silent, taken here:
   tests/algorithms/test_dcfl.py) two groups can stay merged, with three or
   more they were found as by the exact clustering. ``null`` keeps every
   round exact.
-- ``state.dunn`` is the DI that decided the round (that of the clustering
-  in force during the round); ``state.reclusterings`` counts re-clusterings.
+- The round's diagnostics: ``dunn``, the DI that decided the round (that of
+  the clustering in force during the round), and ``reclusterings``, the
+  re-clusterings so far (``state.reclusterings``).
 
 Dynamic federations (:mod:`fedcluster.scenario`), the setting DCFL was built
 for (Sec. III): a client joining after round 1 is a newcomer when first
@@ -71,7 +72,7 @@ paper's reaction to drift, nothing else is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -79,7 +80,14 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.clustering.distances import DcflVariant, dcfl_distance_matrix, dcfl_distance_to
 from fedcluster.clustering.methods import affinity_propagation_exemplars
 from fedcluster.clustering.validity import dunn_index
@@ -92,9 +100,8 @@ class DCFLState(State):
     """The cluster models W_Ck [K, d]."""
     assign: np.ndarray
     """Each client's cluster (−1: not yet assigned)."""
-    dunn: float
-    """The Dunn index that decided the last round."""
     reclusterings: int
+    """The re-clusterings so far."""
 
 
 class DCFLParams(AlgorithmParams):
@@ -117,7 +124,7 @@ class DCFLParams(AlgorithmParams):
 
 
 @register
-class DCFL(Algorithm):
+class DCFL(Algorithm[DCFLParams, DCFLState]):
     """DCFL (Alg. 1): affinity propagation on DCFL distances, re-clustered when DI < 1."""
 
     name = "dcfl"
@@ -128,33 +135,34 @@ class DCFL(Algorithm):
         return DCFLState(
             models=self.ctx.init_row.unsqueeze(0).clone(),
             assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
-            dunn=float("nan"),
             reclusterings=0,
         )
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(self, state: DCFLState, rnd: int, selected: np.ndarray) -> RoundOutput[DCFLState]:
         ctx = self.ctx
-        assign = state.assign
+        assign = state.assign.copy()
         if (assign < 0).all():
             assign[selected] = 0  # the initial clients form C_0 (Alg. 1 line 1)
         newcomers = selected[assign[selected] < 0]
         if len(newcomers):
-            self.assign_newcomer(state, newcomers, rnd)
+            assign[newcomers] = self.assign_newcomer(state, newcomers, rnd)
             selected = selected[assign[selected] >= 0]  # rejected newcomers sit the round out
+        state = replace(state, assign=assign)
         labels = assign[selected]
         start = state.models[labels]
         ex = ctx.exchange(selected, start, rnd)
         if not len(ex.clients):
-            return float("nan")
+            return RoundOutput(state, float("nan"))
         selected, start, labels = ex.clients, start[ex.keep], labels[ex.keep]
 
         sample = self._sample(len(selected), rnd)
         origins, ends = ctx.clustering_view(selected, start, ex.rows, self.name)
         s_start, s_rows = (origins, ends) if sample is None else (origins[sample], ends[sample])
         dist = dcfl_distance_matrix(s_start, s_rows, variant=self.params.variant)
-        state.dunn = dunn_index(dist, labels if sample is None else labels[sample])
+        dunn = dunn_index(dist, labels if sample is None else labels[sample])
         previous = state.models
-        if len(previous) == 1 or state.dunn < 1.0:
+        reclusterings = state.reclusterings
+        if len(previous) == 1 or dunn < 1.0:
             exemplars, s_labels = affinity_propagation_exemplars(
                 -dist,
                 preference=self.params.preference,
@@ -166,12 +174,12 @@ class DCFL(Algorithm):
                 if sample is None
                 else self._nearest_exemplar(origins, ends, sample, sample[exemplars], s_labels)
             )
-            previous = self._recluster(state, selected, labels)
-            state.reclusterings += 1
-        state.models = cluster_average(
-            ex.rows, labels, previous, aggregate=ctx.aggregate, start=start
-        )
-        return weighted_loss(ex.loss, ctx.train_sizes[selected])
+            assign, previous = self._recluster(state, selected, labels)
+            reclusterings += 1
+        models = cluster_average(ex.rows, labels, previous, aggregate=ctx.aggregate, start=start)
+        new = replace(state, models=models, assign=assign, reclusterings=reclusterings)
+        report = {"dunn": float(dunn), "reclusterings": float(reclusterings)}
+        return RoundOutput(new, weighted_loss(ex.loss, ctx.train_sizes[selected]), report)
 
     def _sample(self, n: int, rnd: int) -> np.ndarray | None:
         """Positions (sorted) of the round's updates the clustering runs on when there
@@ -207,8 +215,11 @@ class DCFL(Algorithm):
         labels[rest] = dist.argmin(dim=1).numpy()  # exemplars[k] is cluster k's
         return labels
 
-    def _recluster(self, state: State, selected: np.ndarray, labels: np.ndarray) -> torch.Tensor:
-        """Install the participants' new ``labels``; returns the models new clusters start from.
+    def _recluster(
+        self, state: DCFLState, selected: np.ndarray, labels: np.ndarray
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """Every client's cluster with the participants' new ``labels``, and the models new
+        clusters start from.
 
         Absent clients follow the majority of their old cluster's participants;
         old clusters without participants are kept, numbered after the new ones.
@@ -227,39 +238,34 @@ class DCFL(Algorithm):
                 target = n_new + len(kept)
                 kept.append(int(c))
             new[absent[old[absent] == c]] = target
-        state.assign = new
         fresh = torch.zeros(n_new, self.ctx.dim)  # every new cluster has participants
-        return torch.cat([fresh, state.models[kept]])
+        return new, torch.cat([fresh, state.models[kept]])
 
-    def assign_newcomer(self, state: State, client: int | np.ndarray, rnd: int) -> np.ndarray:
+    def assign_newcomer(self, state: DCFLState, client: int | np.ndarray, rnd: int) -> np.ndarray:
         """Eq. 6: newcomers train once from W_G and join the cluster whose W_G → W_Ck is closest.
 
-        ``client`` is one client id or an array of them; their clusters are
-        written to ``state.assign`` and returned (−1: update rejected, the
-        newcomer stays unassigned). Costs each newcomer one model down (W_G)
-        and one update up; the cluster model follows with the round's broadcast.
+        ``client`` is one client id or an array of them; returns their clusters
+        (−1: update rejected, the newcomer stays unassigned). Costs each newcomer
+        one model down (W_G) and one update up; the cluster model follows with
+        the round's broadcast.
         """
         ctx = self.ctx
         clients = np.atleast_1d(np.asarray(client, dtype=np.int64))
         models = state.models
         w_g = models.mean(dim=0)
         ex = ctx.exchange(clients, w_g, rnd, purpose="newcomer")
+        placed = np.full(len(clients), -1, dtype=np.int64)
         if len(ex.clients):
             origins, ends = ctx.clustering_view(
                 ex.clients, w_g.expand(len(ex.clients), -1), ex.rows, self.name
             )
             to = ctx.public_view(w_g.expand(len(models), -1), models)
             dist = dcfl_distance_to(origins, ends, *to, variant=self.params.variant)
-            state.assign[ex.clients] = dist.argmin(dim=1).numpy()
-        return state.assign[clients]
+            placed[ex.keep] = dist.argmin(dim=1).numpy()
+        return placed
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: DCFLState) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state.models, state.assign)
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: DCFLState) -> np.ndarray:
         return state.assign.copy()
-
-    def diagnostics(self, state: State) -> dict[str, float]:
-        if state.dunn is None:
-            return {}
-        return {"dunn": float(state.dunn), "reclusterings": float(state.reclusterings)}

@@ -19,7 +19,7 @@ model and reports a NaN loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -28,11 +28,14 @@ from pydantic import Field
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
+    Context,
     Exchange,
+    RoundOutput,
     State,
     register,
     weighted_loss,
 )
+from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.client_computations import TRAIN
 from fedcluster.engine.computation import Request
 from fedcluster.engine.results import EvalResult
@@ -48,8 +51,29 @@ class FedAvgParams(AlgorithmParams):
     mu: float = Field(0.0, ge=0.0, description="FedProx proximal coefficient (0 = FedAvg)")
 
 
+def fedavg_step(
+    ctx: Context,
+    global_model: torch.Tensor,
+    rnd: int,
+    selected: np.ndarray,
+    cfg: LocalTraining | None = None,
+) -> tuple[torch.Tensor, Exchange]:
+    """One FedAvg round (McMahan et al. 2017, Alg. 1): broadcast ``global_model`` [d],
+    the ``selected`` clients train (``cfg``: the local training, default the run's),
+    and the accepted models are aggregated weighted by sample count n_k / n.
+
+    Returns the new global model (``global_model`` itself when no update was
+    accepted; it is never modified) and the exchange (accepted clients and losses).
+    """
+    ex = ctx.exchange(selected, global_model, rnd, cfg, ints=1)
+    if not len(ex.clients):
+        return global_model, ex
+    sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
+    return ctx.aggregate(global_model, ex.rows, sizes), ex
+
+
 @register
-class FedAvg(Algorithm):
+class FedAvg(Algorithm[FedAvgParams, FedAvgState]):
     """FedAvg (McMahan et al. 2017, Alg. 1)."""
 
     name = "fedavg"
@@ -59,27 +83,21 @@ class FedAvg(Algorithm):
     def init_state(self) -> FedAvgState:
         return FedAvgState(self.ctx.init_row.clone())
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
-        ex = self.step(state, rnd, selected)
-        return weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients])
-
-    def step(self, state: State, rnd: int, selected: np.ndarray) -> Exchange:
-        """Broadcast ``state.global_model``, train, and average the accepted models into it.
-
-        Without an accepted update the global model stays as it was.
-        """
+    def run_round(
+        self, state: FedAvgState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FedAvgState]:
         ctx = self.ctx
-        ex = ctx.exchange(selected, state.global_model, rnd, ctx.local(mu=self.params.mu), ints=1)
-        if len(ex.clients):
-            sizes = torch.as_tensor(ctx.train_sizes[ex.clients])
-            state.global_model = ctx.aggregate(state.global_model, ex.rows, sizes)
-        return ex
+        model, ex = fedavg_step(
+            ctx, state.global_model, rnd, selected, ctx.local(mu=self.params.mu)
+        )
+        loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
+        return RoundOutput(replace(state, global_model=model), loss)
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: FedAvgState) -> tuple[torch.Tensor, np.ndarray]:
         return state.global_model.unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)
 
 
-class FedProxParams(AlgorithmParams):
+class FedProxParams(FedAvgParams):
     mu: float = Field(0.01, gt=0.0, description="proximal coefficient mu (FedProx eq. 2)")
 
 
@@ -91,7 +109,7 @@ class FedProx(FedAvg):
     Params = FedProxParams
 
 
-class FedAvgFTParams(AlgorithmParams):
+class FedAvgFTParams(FedAvgParams):
     mu: float = Field(0.0, ge=0.0)
     ft_epochs: int = Field(1, ge=1, description="local fine-tuning epochs of the classifier")
     ft_lr: float | None = Field(None, gt=0.0, description="fine-tuning rate (default: train.lr)")
@@ -102,9 +120,10 @@ class FedAvgFT(FedAvg):
     """FedAvg+FT: FedAvg, then each client fine-tunes the classifier layer before evaluating."""
 
     name = "fedavg-ft"
-    Params = FedAvgFTParams
+    Params: type[FedAvgFTParams] = FedAvgFTParams
+    params: FedAvgFTParams
 
-    def evaluate(self, state: State, rnd: int) -> EvalResult:
+    def evaluate(self, state: FedAvgState, rnd: int) -> EvalResult:
         ctx = self.ctx
         p = self.params
         clients = np.flatnonzero(ctx.present)

@@ -38,14 +38,21 @@ uploads have no update bound (it is defined for one model per client).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.algorithms.mixture import (
     check_plain_sgd,
     sample_losses,
@@ -171,8 +178,17 @@ class FedEMState(State):
     """Each client's mixture weights π [n_clients, M] (the devices' own; module docstring)."""
 
 
+def mixture_weights_report(weights: torch.Tensor) -> dict[str, float]:
+    """Every client's mixture weights π [n_clients, M]: ``pi/client<t>/m<m>``."""
+    return {
+        f"pi/client{t}/m{m}": float(v)
+        for t, row in enumerate(weights.tolist())
+        for m, v in enumerate(row)
+    }
+
+
 @register
-class FedEM(Algorithm):
+class FedEM(Algorithm[FedEMParams, FedEMState]):
     """FedEM (Marfoq et al. 2021): federated EM over M shared components with per-client
     mixture weights."""
 
@@ -181,7 +197,6 @@ class FedEM(Algorithm):
     cluster_count = "n_components"
     StateType = FedEMState
     per_client_models = True
-    params: FedEMParams
 
     def init_state(self) -> FedEMState:
         check_plain_sgd(self.ctx, self.name)
@@ -191,7 +206,9 @@ class FedEM(Algorithm):
             torch.full((self.ctx.n_clients, m), 1.0 / m, dtype=torch.float64),
         )
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: FedEMState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FedEMState]:
         ctx = self.ctx
         request = Request(
             shared={"components": state.components},
@@ -201,19 +218,22 @@ class FedEM(Algorithm):
         )
         replies = ctx.ask(TRAIN_COMPONENTS, selected, request, rnd, metadata_ints=1)
         if not len(replies.clients):
-            return float("nan")
+            return RoundOutput(state, float("nan"), mixture_weights_report(state.weights))
         sizes = torch.as_tensor(ctx.train_sizes[replies.clients], dtype=torch.float32)
         uploaded = replies["components"]
-        state.components = torch.stack(
+        components = torch.stack(
             [
                 ctx.aggregate(state.components[m], uploaded[:, m], sizes)
                 for m in range(len(uploaded[0]))
             ]
         )
-        state.weights[torch.as_tensor(replies.clients)] = replies["weights"].double()
-        return weighted_loss(replies["loss"], ctx.train_sizes[replies.clients])
+        weights = state.weights.clone()
+        weights[torch.as_tensor(replies.clients)] = replies["weights"].double()
+        loss = weighted_loss(replies["loss"], ctx.train_sizes[replies.clients])
+        new = replace(state, components=components, weights=weights)
+        return RoundOutput(new, loss, mixture_weights_report(weights))
 
-    def evaluate(self, state: State, rnd: int) -> EvalResult:
+    def evaluate(self, state: FedEMState, rnd: int) -> EvalResult:
         """Each present client's mixture on its test data (a measurement)."""
         clients = np.flatnonzero(self.ctx.present)
         request = Request(
@@ -226,18 +246,10 @@ class FedEM(Algorithm):
             r["correct"].numpy(), r["count"].numpy(), r["loss_sum"].numpy(), r.clients
         )
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: FedEMState) -> tuple[torch.Tensor, np.ndarray]:
         """The components and each client's component of largest weight (its cluster);
         :meth:`evaluate` tests the mixture instead."""
         return state.components, self.clusters(state)
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: FedEMState) -> np.ndarray:
         return state.weights.argmax(dim=1).numpy().astype(np.int64)
-
-    def diagnostics(self, state: State) -> dict[str, float]:
-        """Every client's mixture weights: ``pi/client<t>/m<m>``."""
-        return {
-            f"pi/client{t}/m{m}": float(v)
-            for t, row in enumerate(state.weights.tolist())
-            for m, v in enumerate(row)
-        }

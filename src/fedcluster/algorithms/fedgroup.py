@@ -70,6 +70,7 @@ from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
     Exchange,
+    RoundOutput,
     State,
     log,
     register,
@@ -141,7 +142,7 @@ def inter_group_aggregation(models: torch.Tensor, eta_g: float) -> torch.Tensor:
 
 
 @register
-class FedGroup(Algorithm):
+class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
     """FedGroup (Alg. 2 + 3): static groups from decomposed update similarities."""
 
     name = "fedgroup"
@@ -159,28 +160,31 @@ class FedGroup(Algorithm):
             cold_start_retries=0,
         )
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: FedGroupState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FedGroupState]:
         ctx = self.ctx
         if not state.grouped:
-            self.group_cold_start(state)
-            if not state.grouped:
-                return float("nan")  # too few pre-training updates accepted: retried next round
+            state = self.group_cold_start(state)
+            if not state.grouped:  # too few pre-training updates accepted: retried next round
+                return RoundOutput(state, float("nan"))
         cold = selected[state.assign[selected] < 0]
         if len(cold):
-            state.assign[cold] = self.client_cold_start(state, cold, rnd)
-            selected = selected[state.assign[selected] >= 0]  # rejected cold clients sit out
+            assign = state.assign.copy()
+            assign[cold] = self.client_cold_start(state, cold, rnd)
+            state = replace(state, assign=assign)
+            selected = selected[assign[selected] >= 0]  # rejected cold clients sit out
         groups = state.assign[selected]
         ex = ctx.exchange(  # model and sample count
             selected, state.models[groups], rnd, ctx.local(mu=self.params.mu), ints=1
         )
         if not len(ex.clients):
-            return float("nan")
+            return RoundOutput(state, float("nan"))
         sizes = ctx.train_sizes[ex.clients]
         models = cluster_average(ex.rows, groups[ex.keep], state.models, sizes, ctx.aggregate)
         if self.params.eta_g > 0.0:
             models = inter_group_aggregation(models, self.params.eta_g)
-        state.models = models
-        return weighted_loss(ex.loss, sizes)
+        return RoundOutput(replace(state, models=models), weighted_loss(ex.loss, sizes))
 
     def pretrain(self, clients: np.ndarray) -> Exchange:
         """Clients receive w0, train ``pretrain_epochs`` from it and upload.
@@ -192,12 +196,14 @@ class FedGroup(Algorithm):
         ex = ctx.exchange(clients, ctx.init_row, 0, cfg, purpose=PRETRAIN_PURPOSE)
         return replace(ex, rows=ex.rows - ctx.init_row)
 
-    def group_cold_start(self, state: State) -> None:
-        """Alg. 3 (or RCC): pre-train random clients, group them, set models and directions.
+    def group_cold_start(self, state: FedGroupState) -> FedGroupState:
+        """Alg. 3 (or RCC): pre-train random clients, group them; the state with the groups'
+        models, directions and members.
 
         The clients are drawn among those reachable this round. Needs at
         least one accepted update per group (and 3 for MADC); with fewer,
-        nothing is grouped and the next call draws other clients.
+        nothing is grouped (the state is returned ungrouped) and the next call
+        draws other clients.
         """
         p = self.params
         ctx = self.ctx
@@ -215,7 +221,7 @@ class FedGroup(Algorithm):
                 len(available),
                 need,
             )
-            return
+            return state
         retry = state.cold_start_retries
         rng = numpy_rng(ctx.seed, "fedgroup/pretrain-clients", *([retry] if retry else []))
         clients = np.sort(rng.choice(available, min(size, len(available)), replace=False))
@@ -228,22 +234,21 @@ class FedGroup(Algorithm):
                 size,
                 need,
             )
-            state.cold_start_retries += 1
-            return
+            return replace(state, cold_start_retries=state.cold_start_retries + 1)
         if p.rcc:
             labels = np.arange(len(ex.clients))
         else:
             _, updates = ctx.clustering_view(ex.clients, ctx.init_row, ex.rows, self.name)
             labels = group_labels(updates, p.n_groups, p.measure, int(rng.integers(2**31)))
         w0 = ctx.init_row.unsqueeze(0)
-        state.models = cluster_average(
+        models = cluster_average(
             ex.rows + w0, labels, w0.repeat(p.n_groups, 1), aggregate=ctx.aggregate
         )
-        state.directions = state.models - w0
-        state.assign[ex.clients] = labels
-        state.grouped = True
+        assign = state.assign.copy()
+        assign[ex.clients] = labels
+        return replace(state, models=models, directions=models - w0, assign=assign, grouped=True)
 
-    def client_cold_start(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+    def client_cold_start(self, state: FedGroupState, clients: np.ndarray, rnd: int) -> np.ndarray:
         """Eq. 9 (or RAC): the group of each cold client (−1: update rejected)."""
         if self.params.rac:
             return numpy_rng(self.ctx.seed, "fedgroup/rac", rnd).integers(
@@ -259,10 +264,10 @@ class FedGroup(Algorithm):
             groups[ex.keep] = cosine_to(updates, directions).argmax(dim=1).numpy()
         return groups
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: FedGroupState) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state.models, state.assign)
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: FedGroupState) -> np.ndarray:
         return state.assign.copy()
 
 

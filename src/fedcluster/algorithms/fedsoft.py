@@ -39,14 +39,21 @@ Local DP, momentum and FedProx's μ are refused
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import eval_rows_with_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.algorithms.mixture import (
     check_plain_sgd,
     sample_losses,
@@ -144,8 +151,18 @@ class FedSoftState(State):
     """Each client's importance weights u [n_clients, S] (NaN: never estimated)."""
 
 
+def importance_report(importance: torch.Tensor) -> dict[str, float]:
+    """Every client's importance weights u [n_clients, S] once estimated: ``u/client<k>/c<s>``."""
+    return {
+        f"u/client{k}/c{s}": v
+        for k, row in enumerate(importance.tolist())
+        for s, v in enumerate(row)
+        if not np.isnan(v)
+    }
+
+
 @register
-class FedSoft(Algorithm):
+class FedSoft(Algorithm[FedSoftParams, FedSoftState]):
     """FedSoft (Ruan & Joe-Wong 2022): soft clustering by importance weights, proximal
     local updates toward the mixture of cluster models."""
 
@@ -153,7 +170,6 @@ class FedSoft(Algorithm):
     Params = FedSoftParams
     cluster_count = "n_clusters"
     StateType = FedSoftState
-    params: FedSoftParams
 
     def init_state(self) -> FedSoftState:
         check_plain_sgd(self.ctx, self.name)
@@ -165,7 +181,9 @@ class FedSoft(Algorithm):
             torch.full((ctx.n_clients, s), float("nan"), dtype=torch.float64),
         )
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: FedSoftState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FedSoftState]:
         ctx = self.ctx
         p = self.params
         request = Request(
@@ -182,35 +200,29 @@ class FedSoft(Algorithm):
         replies = ctx.ask(TRAIN_SOFT, selected, request, rnd, metadata_ints=1)
         clients = replies.clients
         if not len(clients):
-            return float("nan")
+            return RoundOutput(state, float("nan"), importance_report(state.importance))
         rows, u = replies["row"], replies["importance"].double()
         sizes = torch.as_tensor(ctx.train_sizes[clients], dtype=torch.float64)
-        state.models = torch.stack(
+        models = torch.stack(
             [
                 ctx.aggregate(state.models[k], rows, (u[:, k] * sizes).float())
                 for k in range(p.n_clusters)
             ]
         )
         index = torch.as_tensor(clients)
-        state.local[index] = rows
-        state.importance[index] = u
-        return weighted_loss(replies["loss"], ctx.train_sizes[clients])
+        local, importance = state.local.clone(), state.importance.clone()
+        local[index] = rows
+        importance[index] = u
+        new = replace(state, models=models, local=local, importance=importance)
+        loss = weighted_loss(replies["loss"], ctx.train_sizes[clients])
+        return RoundOutput(new, loss, importance_report(importance))
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: FedSoftState) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state.models, self.clusters(state))
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: FedSoftState) -> np.ndarray:
         u = state.importance
         known = ~torch.isnan(u).any(dim=1)
         out = torch.full((len(u),), -1, dtype=torch.int64)
         out[known] = u[known].argmax(dim=1)
         return out.numpy()
-
-    def diagnostics(self, state: State) -> dict[str, float]:
-        """Every client's importance weights once estimated: ``u/client<k>/c<s>``."""
-        return {
-            f"u/client{k}/c{s}": v
-            for k, row in enumerate(state.importance.tolist())
-            for s, v in enumerate(row)
-            if not np.isnan(v)
-        }

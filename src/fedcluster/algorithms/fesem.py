@@ -53,7 +53,7 @@ client moves to the centre nearest its new local model by itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -61,7 +61,14 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.clustering.distances import euclidean_distance_matrix
@@ -114,14 +121,10 @@ class FeSEMState(State):
     """Each client's cluster (−1: not yet assigned)."""
     seeded: bool
     """Whether the centres have been seeded (k-means++ on the first models)."""
-    repair_separation: np.ndarray | None = None
-    """With cluster repair on: each cluster's separation score in the last round."""
-    repair_splits: int = 0
-    """With cluster repair on: clusters split in the last round."""
 
 
 @register
-class FeSEM(Algorithm):
+class FeSEM(Algorithm[FeSEMParams, FeSEMState]):
     """FeSEM (Xie et al. 2020): stochastic EM of clients' local models around K centres."""
 
     name = "fesem"
@@ -138,12 +141,14 @@ class FeSEM(Algorithm):
             centres = ctx.init_row.unsqueeze(0).repeat(p.n_clusters, 1)
         return FeSEMState(centres, np.full(ctx.n_clients, -1, dtype=np.int64), p.init == "random")
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: FeSEMState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FeSEMState]:
         ctx = self.ctx
         p = self.params
         if not state.seeded and len(selected) < p.n_clusters:
-            if not ctx.available.all():
-                return float("nan")  # wait for enough reachable clients (module docstring)
+            if not ctx.available.all():  # wait for enough reachable clients (module docstring)
+                return RoundOutput(state, float("nan"))
             raise ConfigError(
                 f"fesem.n_clusters: init='clients' needs at least {p.n_clusters} clients "
                 f"in the first round, got {len(selected)}"
@@ -152,27 +157,28 @@ class FeSEM(Algorithm):
         ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
         selected, local, m = ex.clients, ex.rows, len(ex.clients)
         sizes = ctx.train_sizes[selected]
+        loss = weighted_loss(ex.loss, sizes)
         if m == 0 or (not state.seeded and m < p.n_clusters):
-            return weighted_loss(ex.loss, sizes)  # too few accepted models: nothing changes
+            return RoundOutput(state, loss)  # too few accepted models: nothing changes
         pair = euclidean_distance_matrix(ctx.compared(torch.cat([local, state.centres]))).numpy()
+        old = state.centres
         if state.seeded:
             to_centres = pair[:m, m:]
         else:
             seeds = kmeanspp_seeds(pair[:m, :m], p.n_clusters, numpy_rng(ctx.seed, "fesem/seeds"))
-            state.centres = local[seeds].clone()
-            state.seeded = True
+            old = local[seeds].clone()
             to_centres = pair[:m, seeds]
         choice = to_centres.argmin(axis=1)
         weights = sizes if p.weighting == "samples" else np.ones(m)
-        old = state.centres
-        state.centres, choice = self.m_step(local, choice, old, weights)
+        centres, choice = self.m_step(local, choice, old, weights)
+        report: dict[str, float] = {}
         if p.repair is not None:  # FeSEM keeps no Δw: the repair's is zeros and dropped
             starts = rows[owner[selected]]  # the model each client trained from
             fixed = apply_repair(
                 p.repair,
                 rnd,
                 old,
-                state.centres,
+                centres,
                 torch.zeros_like(old),
                 local,
                 choice,
@@ -181,10 +187,12 @@ class FeSEM(Algorithm):
                 ctx.compared,
             )
             assert fixed is not None
-            state.centres, choice = fixed.models, fixed.choice
-            state.repair_separation, state.repair_splits = fixed.separation, len(fixed.splits)
-        state.assign[selected] = choice
-        return weighted_loss(ex.loss, sizes)
+            centres, choice = fixed.models, fixed.choice
+            report = repair_diagnostics(fixed.separation, len(fixed.splits))
+        assign = state.assign.copy()
+        assign[selected] = choice
+        new = replace(state, centres=centres, assign=assign, seeded=True)
+        return RoundOutput(new, loss, report)
 
     def m_step(
         self, local: torch.Tensor, choice: np.ndarray, centres: torch.Tensor, weights: np.ndarray
@@ -193,12 +201,8 @@ class FeSEM(Algorithm):
         the centres and the members' clusters (unchanged here)."""
         return cluster_average(local, choice, centres, weights, self.ctx.aggregate), choice
 
-    def diagnostics(self, state: State) -> dict[str, float]:
-        """With repair on: ``repair/c<k>/separation`` and ``repair/splits`` of the round."""
-        return repair_diagnostics(state.repair_separation, state.repair_splits)
-
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: FeSEMState) -> tuple[torch.Tensor, np.ndarray]:
         return eval_rows_with_average(state.centres, state.assign)
 
-    def clusters(self, state: State) -> np.ndarray:
+    def clusters(self, state: FeSEMState) -> np.ndarray:
         return state.assign.copy()

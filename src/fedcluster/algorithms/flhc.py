@@ -25,7 +25,7 @@ The schedule is shared with CFLGT (:class:`~fedcluster.algorithms.cflgt.OneShotC
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import State, log, register, weighted_loss
+from fedcluster.algorithms.base import log, register, weighted_loss
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotParams, OneShotState
 from fedcluster.clustering.methods import Linkage, hierarchical
 from fedcluster.errors import ConfigError
@@ -69,7 +69,7 @@ class FLHCState(OneShotState):
 
 
 @register
-class FLHC(OneShotClustering):
+class FLHC(OneShotClustering[FLHCParams, FLHCState]):
     """FL+HC (Briggs et al. 2020): FedAvg, clustering of the updates, per-cluster FedAvg."""
 
     name = "flhc"
@@ -77,9 +77,9 @@ class FLHC(OneShotClustering):
     StateType = FLHCState
 
     def init_state(self) -> FLHCState:
-        return FLHCState(**vars(super().init_state()), mean_updates=torch.empty(0, self.ctx.dim))
+        return replace(super().init_state(), mean_updates=torch.empty(0, self.ctx.dim))
 
-    def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
+    def cluster_clients(self, state: FLHCState, rnd: int) -> tuple[FLHCState, np.ndarray, float]:
         ctx = self.ctx
         p = self.params
         if p.n_clusters is not None and p.n_clusters > ctx.n_clients:
@@ -96,7 +96,7 @@ class FLHC(OneShotClustering):
                 len(ex.clients),
                 p.n_clusters,
             )
-            return labels, loss
+            return state, labels, loss
         updates = ex.rows - state.global_model
         labels[ex.clients] = hierarchical(
             features=ctx.compared(updates),
@@ -105,17 +105,18 @@ class FLHC(OneShotClustering):
             linkage=p.linkage,
         )
         found = labels[ex.clients]
-        state.mean_updates = cluster_average(
+        mean_updates = cluster_average(
             updates, found, torch.zeros(int(found.max()) + 1, ctx.dim), aggregate=ctx.aggregate
         )
-        return labels, loss
+        return replace(state, mean_updates=mean_updates), labels, loss
 
-    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+    def place_newcomers(self, state: FLHCState, clients: np.ndarray, rnd: int) -> np.ndarray:
         """Nearest mean clustering-round update (:mod:`fedcluster.algorithms.cflgt`)."""
         ctx = self.ctx
         labels = np.full(len(clients), -1, dtype=np.int64)
         ex = ctx.exchange(clients, state.global_model, rnd, purpose="newcomer")
         if len(ex.clients):
+            assert state.mean_updates is not None
             updates = ctx.compared(ex.rows - state.global_model).double()
             dist = torch.cdist(updates, ctx.compared(state.mean_updates).double())
             labels[ex.keep] = dist.argmin(dim=1).numpy()

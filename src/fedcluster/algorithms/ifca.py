@@ -27,7 +27,7 @@ from fedcluster.algorithms.cluster_models import (
     Choice,
     ClusterModelAlgorithm,
     ClusterModelParams,
-    State,
+    ClusterModelState,
     argmax_random_ties,
 )
 from fedcluster.algorithms.jgl import CHOOSE_AND_TRAIN
@@ -41,7 +41,7 @@ class IFCAParams(ClusterModelParams):
 
 
 @register
-class IFCA(ClusterModelAlgorithm):
+class IFCA(ClusterModelAlgorithm[IFCAParams]):
     """IFCA (Ghosh et al. 2020)."""
 
     name = "ifca"
@@ -50,12 +50,14 @@ class IFCA(ClusterModelAlgorithm):
     def choice_batches(self) -> str:
         return self.params.choice_batches
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
+    def choose(self, state: ClusterModelState, rnd: int, selected: np.ndarray) -> Choice:
         replies = self.model_losses(state.models, selected, rnd, "decide", self.choice_batches())
         choice = argmax_random_ties(-replies["losses"], self.tie_rng(rnd))
         return Choice(replies.clients, choice)
 
-    def choose_and_train(self, state: State, rnd: int, selected: np.ndarray) -> Replies:
+    def choose_and_train(
+        self, state: ClusterModelState, rnd: int, selected: np.ndarray
+    ) -> tuple[Replies, dict[str, float]]:
         """The choice (lowest loss) and the training in one message per node."""
         rule = {"rule": "loss", "batches": self.params.choice_batches}
-        return self.ask_device_choice(CHOOSE_AND_TRAIN, state, rnd, selected, rule, {})
+        return self.ask_device_choice(CHOOSE_AND_TRAIN, state, rnd, selected, rule, {}), {}

@@ -28,8 +28,8 @@ cluster has been updated (Δw_k = 0) the similarity is 0 and the loss decides.
 The euclidean alternative of Sec. II-B is S = −‖g − Δw_k‖ with the same sign
 convention for g.
 
-Readings of eq. 1/3/4 (ablation in docs/reproduction.md; ``diagnostics()``
-logs ``differs_from_loss_choice``, the clients whose choice is not IFCA's).
+Readings of eq. 1/3/4 (ablation in docs/reproduction.md; each round's diagnostics
+log ``differs_from_loss_choice``, the clients whose choice is not IFCA's).
 With the printed sum over the batch, the cosine similarity and λ = 0.2 the
 similarity almost never changes a choice (6 of 640 choices on the scaled
 MNIST table; 0 on the main job): JGL is IFCA. With the cosine similarity no
@@ -52,7 +52,7 @@ simulator computes without forming the K gradients of d floats per device
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -66,7 +66,6 @@ from fedcluster.algorithms.cluster_models import (
     ClusterModelAlgorithm,
     ClusterModelParams,
     ClusterModelState,
-    State,
     argmax_random_ties,
 )
 from fedcluster.engine.client_computations import (
@@ -295,21 +294,20 @@ cluster id (counted: the model and one int32). The decision's losses stay on the
 device; ``differs`` (eq. 4's choice is not the loss argmin) is instrumentation."""
 
 
-@dataclass
-class JGLState(ClusterModelState):
-    differs_from_loss_choice: int | None = None
-    """Clients of the last round whose eq. 4 choice differs from the loss argmin."""
-
-
 @register
-class JGL(ClusterModelAlgorithm):
-    """JGL (Alg. 1): device-side cluster choice from gradient similarity and loss."""
+class JGL(ClusterModelAlgorithm[JGLParams]):
+    """JGL (Alg. 1): device-side cluster choice from gradient similarity and loss.
+
+    Diagnostics: ``differs_from_loss_choice``, the clients whose eq. 4 choice is not
+    IFCA's (λ = 0), counted each round before Sec. II-C's empty-cluster fix from the
+    same scores (the loss argmin of the same mini-batch); with repair, its
+    diagnostics too.
+    """
 
     name = "jgl"
     Params = JGLParams
-    StateType = JGLState
 
-    def choose(self, state: State, rnd: int, selected: np.ndarray) -> Choice:
+    def choose(self, state: ClusterModelState, rnd: int, selected: np.ndarray) -> Choice:
         p = self.params
         ctx = self.ctx
         delta = ctx.parameter_part(state.delta)  # eq. 3 compares gradients: parameters only
@@ -326,12 +324,14 @@ class JGL(ClusterModelAlgorithm):
         )
         rng = self.tie_rng(rnd)
         choice = argmax_random_ties(scores, rng)
-        state.differs_from_loss_choice = loss_choice_differences(choice, loss)
+        differs = loss_choice_differences(choice, loss)
         if p.empty_cluster_fix:
             choice = fix_empty_clusters(choice, p.n_clusters, rng)
-        return Choice(selected, choice)
+        return Choice(selected, choice, {"differs_from_loss_choice": float(differs)})
 
-    def choose_and_train(self, state: JGLState, rnd: int, selected: np.ndarray) -> Replies:
+    def choose_and_train(
+        self, state: ClusterModelState, rnd: int, selected: np.ndarray
+    ) -> tuple[Replies, dict[str, float]]:
         """Alg. 1 in one message per node (:data:`CHOOSE_AND_TRAIN`); Sec. II-C's fix
         allocates a device to each cluster none of the asked devices was last in
         (:func:`pin_empty_clusters`), since the server sees this round's choices only
@@ -351,20 +351,4 @@ class JGL(ClusterModelAlgorithm):
         replies = self.ask_device_choice(
             CHOOSE_AND_TRAIN, state, rnd, selected, rule, {"directions": state.delta}, pins
         )
-        state.differs_from_loss_choice = int(replies["differs"].sum())
-        return replies
-
-    def init_state(self) -> JGLState:
-        return JGLState(**vars(super().init_state()))
-
-    def diagnostics(self, state: JGLState) -> dict[str, float]:
-        """``differs_from_loss_choice``: clients whose eq. 4 choice is not IFCA's (λ = 0).
-
-        Counted each round before Sec. II-C's empty-cluster fix, from the same
-        scores (the loss argmin of the same mini-batch); with repair, its
-        diagnostics too.
-        """
-        out = super().diagnostics(state)
-        if state.differs_from_loss_choice is not None:
-            out["differs_from_loss_choice"] = float(state.differs_from_loss_choice)
-        return out
+        return replies, {"differs_from_loss_choice": float(replies["differs"].sum())}

@@ -7,12 +7,19 @@ distribution. Client i's model starts from the shared initial model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from fedcluster.algorithms.base import Algorithm, AlgorithmParams, State, register, weighted_loss
+from fedcluster.algorithms.base import (
+    Algorithm,
+    AlgorithmParams,
+    RoundOutput,
+    State,
+    register,
+    weighted_loss,
+)
 from fedcluster.engine.client_computations import TRAIN
 from fedcluster.engine.computation import Request
 
@@ -28,7 +35,7 @@ class LocalParams(AlgorithmParams):
 
 
 @register
-class LocalOnly(Algorithm):
+class LocalOnly(Algorithm[LocalParams, LocalState]):
     """Local training only (no communication)."""
 
     name = "local"
@@ -39,15 +46,19 @@ class LocalOnly(Algorithm):
     def init_state(self) -> LocalState:
         return LocalState(self.ctx.init_row.unsqueeze(0).repeat(self.ctx.n_clients, 1))
 
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: LocalState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[LocalState]:
         request = Request(
             own={"start": state.rows[selected]},
             settings={"train": self.ctx.train, "round": rnd},
         )
         # the model never leaves the client: nothing is sent, released or rejected
         trained = self.ctx.ask(TRAIN, selected, request, rnd, on_device=True)
-        state.rows[selected] = trained["row"]
-        return weighted_loss(trained["loss"], self.ctx.train_sizes[selected])
+        rows = state.rows.clone()
+        rows[selected] = trained["row"]
+        loss = weighted_loss(trained["loss"], self.ctx.train_sizes[selected])
+        return RoundOutput(replace(state, rows=rows), loss)
 
-    def eval_rows(self, state: State) -> tuple[torch.Tensor, np.ndarray]:
+    def eval_rows(self, state: LocalState) -> tuple[torch.Tensor, np.ndarray]:
         return state.rows, np.arange(self.ctx.n_clients)

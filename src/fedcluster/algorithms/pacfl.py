@@ -42,14 +42,14 @@ per-sample sensitivity for it and is refused by the ledger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from fedcluster.algorithms.base import AlgorithmParams, State, log, register
+from fedcluster.algorithms.base import AlgorithmParams, RoundOutput, log, register
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotState
 from fedcluster.clustering.methods import Linkage, hierarchical
 from fedcluster.engine.client_computations import vector_release
@@ -182,24 +182,24 @@ class PACFLState(OneShotState):
 
 
 @register
-class PACFL(OneShotClustering):
+class PACFL(OneShotClustering[PACFLParams, PACFLState]):
     """PACFL (Vahidian et al. 2023): principal angles between data subspaces, one-shot
     hierarchical clustering, per-cluster FedAvg."""
 
     name = "pacfl"
     Params = PACFLParams
     StateType = PACFLState
-    params: PACFLParams
 
-    def init_state(self) -> PACFLState:
-        return PACFLState(**vars(super().init_state()))
-
-    def run_round(self, state: State, rnd: int, selected: np.ndarray) -> float:
+    def run_round(
+        self, state: PACFLState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[PACFLState]:
+        """The clustering round (first round, or until a subspace is accepted) also trains."""
         if not self.clustered(state):
-            self.clustering_round(state, rnd)
-            if not self.clustered(state):
-                return float("nan")
-        return self.clustered_round(state, rnd, selected)
+            state, _ = self.clustering_round(state, rnd)
+        loss = float("nan")
+        if self.clustered(state):
+            state, loss = self.clustered_round(state, rnd, selected)
+        return RoundOutput(state, loss, self.clustering_report(state))
 
     def subspaces(
         self, clients: np.ndarray, rnd: int
@@ -219,13 +219,13 @@ class PACFL(OneShotClustering):
         bases, ranks = orthonormal_bases(replies["basis"])
         return replies.clients, bases, ranks
 
-    def cluster_clients(self, state: State, rnd: int) -> tuple[np.ndarray, float]:
+    def cluster_clients(self, state: PACFLState, rnd: int) -> tuple[PACFLState, np.ndarray, float]:
         p = self.params
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
         clients, bases, ranks = self.subspaces(self.ctx.available_clients(), rnd)
         if not len(clients):
             log.warning("pacfl: no subspace accepted; clustering again next round")
-            return labels, float("nan")
+            return state, labels, float("nan")
         proximity = proximity_matrix(bases, ranks, bases, ranks, p.proximity)
         proximity = (proximity + proximity.T) / 2.0
         np.fill_diagonal(proximity, 0.0)
@@ -235,15 +235,16 @@ class PACFL(OneShotClustering):
             distance_threshold=None if p.n_clusters is not None else p.threshold,
             linkage=p.linkage,
         )
-        state.bases, state.ranks, state.members, state.proximity = bases, ranks, clients, proximity
-        return labels, float("nan")
+        kept = replace(state, bases=bases, ranks=ranks, members=clients, proximity=proximity)
+        return kept, labels, float("nan")
 
-    def place_newcomers(self, state: State, clients: np.ndarray, rnd: int) -> np.ndarray:
+    def place_newcomers(self, state: PACFLState, clients: np.ndarray, rnd: int) -> np.ndarray:
         """The cluster of smallest mean proximity to its members (module docstring)."""
         labels = np.full(len(clients), -1, dtype=np.int64)
         accepted, bases, ranks = self.subspaces(clients, rnd)
         if not len(accepted):
             return labels
+        assert state.bases is not None and state.ranks is not None and state.members is not None
         prox = proximity_matrix(bases, ranks, state.bases, state.ranks, self.params.proximity)
         member_of = state.assign[state.members]
         k = len(state.models)
@@ -251,6 +252,6 @@ class PACFL(OneShotClustering):
         labels[np.isin(clients, accepted)] = mean.argmin(axis=1)
         return labels
 
-    def diagnostics(self, state: State) -> dict[str, float]:
+    def clustering_report(self, state: PACFLState) -> dict[str, float]:
         """The number of clusters found."""
         return {"n_clusters": float(len(state.models))} if self.clustered(state) else {}

@@ -74,7 +74,8 @@ class WeCFL(FeSEM):
     per-cluster aggregation."""
 
     name = "wecfl"
-    Params = WeCFLParams
+    Params: type[WeCFLParams] = WeCFLParams
+    params: WeCFLParams
 
     def m_step(
         self, local: torch.Tensor, choice: np.ndarray, centres: torch.Tensor, weights: np.ndarray
