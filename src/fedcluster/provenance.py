@@ -112,7 +112,7 @@ def config_text(config: ExperimentConfig, record: dict[str, Any]) -> str:
     fields = config.model_dump(mode="json")
     data = config.data
     if data.federation is not None or data.given is not None:
-        default = DataConfig()
+        default = DataConfig.model_validate({})
         for name in REPLACED:
             if getattr(data, name) == getattr(default, name):
                 del fields["data"][name]

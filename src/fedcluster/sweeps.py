@@ -187,7 +187,7 @@ def settings_of(
         raise ConfigError(f"--sweep {ranges[0]}: a range needs --trials N (a random search)")
     within = [a for a in axes if a.is_algorithm_param]
     across = [a for a in axes if not a.is_algorithm_param]
-    combos = itertools.product(*(a.values for a in across))
+    combos = itertools.product(*(a.values for a in across if not isinstance(a.values, Range)))
     return [dict(zip([a.field for a in across], c, strict=True)) for c in combos], within
 
 
@@ -269,10 +269,10 @@ def collect(
                 seeds[job["seed"]] = float(value)  # (e.g. no evaluation) is left out, not NaN
         label = setting_label(setting)
         for algorithm, by_seed in per.items():
-            seeds = sorted(by_seed)
-            if not seeds:
+            seed_order = sorted(by_seed)
+            if not seed_order:
                 continue
-            ci = mean_ci([by_seed[s] for s in seeds], confidence)
+            ci = mean_ci([by_seed[s] for s in seed_order], confidence)
             results.append(
                 {
                     "setting": index,
@@ -283,8 +283,8 @@ def collect(
                     "mean": _number(ci.mean),
                     "ci_low": _number(ci.low),
                     "ci_high": _number(ci.high),
-                    "seeds": seeds,
-                    "per_seed": [by_seed[s] for s in seeds],
+                    "seeds": seed_order,
+                    "per_seed": [by_seed[s] for s in seed_order],
                 }
             )
         for a, b in itertools.combinations(per, 2):
@@ -491,7 +491,7 @@ def sweep(
             where, progress=progress
         )
 
-    where = Path(out or f"runs/{name}-sweep-{datetime.now():%Y%m%d-%H%M%S}")
+    sweep_dir = Path(out or f"runs/{name}-sweep-{datetime.now():%Y%m%d-%H%M%S}")
     return run_sweep(
-        raw, axes, where, trials=trials, seed=seed, metric=metric, run=run_one, report=report
+        raw, axes, sweep_dir, trials=trials, seed=seed, metric=metric, run=run_one, report=report
     )

@@ -73,14 +73,14 @@ def synthetic_federation(
             raise ConfigError(
                 f"synthetic: {field} must be an integer in {low}..{high}, got {value!r}"
             )
-    for field, value in (("alpha", alpha), ("beta", beta)):
+    for field, number in (("alpha", alpha), ("beta", beta)):
         if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float | np.integer | np.floating)
-            or not 0 <= value <= MAX_SPREAD
+            isinstance(number, bool)
+            or not isinstance(number, int | float | np.integer | np.floating)
+            or not 0 <= number <= MAX_SPREAD
         ):
             raise ConfigError(
-                f"synthetic: {field} must be a number in 0..{MAX_SPREAD:g}, got {value!r}"
+                f"synthetic: {field} must be a number in 0..{MAX_SPREAD:g}, got {number!r}"
             )
     if not isinstance(iid, bool):
         raise ConfigError(f"synthetic: iid must be true or false, got {iid!r}")
