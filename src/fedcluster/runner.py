@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,7 +36,13 @@ from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.algorithms.select_k import select_k
 from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.central_dp import CentralDP
-from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
+from fedcluster.config import (
+    AlgorithmSpec,
+    ExperimentConfig,
+    load_yaml,
+    validate_config,
+    with_execution,
+)
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.natural import NATURAL, make_natural
@@ -251,18 +257,32 @@ class Experiment:
         run = RunInfo(rundir.path, cfg, resume)
         for callback in callbacks:
             callback.on_run_start(run)
-        results = []
-        for seed in cfg.seeds:
-            federation, pool = self.data(seed)
-            if isinstance(federation, Federation):  # the nodes hold the data on Flower
-                federation = federation.to(device)
-            setting, scenario = self.setting(federation, seed)
-            for spec in cfg.algorithms:
-                job = Job(self, run, spec, seed, setting, (scenario, pool))
-                results.append(job.run(rundir, resume, last, callbacks))
+        if cfg.jobs > 1:
+            from fedcluster.jobs import run_jobs  # jobs.py builds on this module
+
+            results = run_jobs(self, run, last, device, progress)
+            rundir.sort_rows([(r.algorithm, r.seed) for r in results])
+        else:
+            results = []
+            for seed in cfg.seeds:
+                setting, dynamics = self.seed_setting(seed, device)
+                for spec in cfg.algorithms:
+                    job = Job(self, run, spec, seed, setting, dynamics)
+                    results.append(job.run(rundir, resume, last, callbacks))
         for callback in callbacks:
             callback.on_run_end(run, results)
         return results
+
+    def seed_setting(
+        self, seed: int, device: torch.device
+    ) -> tuple[tuple[FederationView, nn.Module, torch.Tensor], tuple[Scenario, DriftPool | None]]:
+        """What every job of a seed starts from: (federation on ``device``, model, initial
+        row) and (the seed's scenario, the drift's sample pool)."""
+        federation, pool = self.data(seed)
+        if isinstance(federation, Federation):  # the nodes hold the data on Flower
+            federation = federation.to(device)
+        setting, scenario = self.setting(federation, seed)
+        return setting, (scenario, pool)
 
     def setting(
         self, federation: FederationView, seed: int
@@ -551,8 +571,12 @@ def resume(
     federation: Federation | None = None,
     trust: bool = False,
     loss: LossFn | None = None,
+    execution: Mapping[str, Any] | None = None,
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config.
+
+    ``execution`` sets how the resumed jobs run (``jobs``, ``backend``, ``workers``,
+    ``address``: :data:`~fedcluster.config.EXECUTION_FIELDS`, which config.yaml leaves out).
 
     The config must be the one the checkpoints were written with; code it
     imports is imported only then or with ``trust``
@@ -564,7 +588,9 @@ def resume(
     directory (:mod:`fedcluster.rebuild`).
     """
     path = Path(out)
-    config = checked_config(path, trust, model, federation, loss)
+    config = with_execution(
+        checked_config(path, trust, model, federation, loss), **(execution or {})
+    )
     if experiment_factory is not None:
         experiment = experiment_factory(config)
     else:
