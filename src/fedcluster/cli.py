@@ -279,6 +279,8 @@ def _run(args: argparse.Namespace) -> int:
         algorithms=_algorithm_names(args),
         sweeps=args.sweeps,
     )
+    if config.backend == "distributed" and _serves():
+        return 0
     slug = run_slug(args.sets, getattr(args, "algorithms", None), args.sweeps)
     name = f"{config.name}-{slug}" if slug else config.name
     out = check_path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}", "--out")
@@ -298,6 +300,17 @@ def _run(args: argparse.Namespace) -> int:
     _print_summary(out)
     _report(args, out)
     return 0
+
+
+def _serves() -> bool:
+    """Under torchrun, serve as a distributed worker on every rank but 0 (the driver);
+    True when this process was one (it has served and the run is over)."""
+    from fedcluster.engine.distributed import serve, torchrun_rank
+
+    if torchrun_rank() in (None, 0):
+        return False
+    serve()
+    return True
 
 
 class Interrupted(Exception):
@@ -365,6 +378,8 @@ def _resume(args: argparse.Namespace) -> int:
 
     if not (Path(args.dir) / "config.yaml").exists():
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
+    if _execution(args).get("backend") == "distributed" and _serves():
+        return 0
     callbacks = _callbacks(args)
     with _stops_are_resumable(Path(args.dir)):
         resume(

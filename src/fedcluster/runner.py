@@ -196,7 +196,7 @@ class Experiment:
                 "loss: a loss given from Python runs on the simulator only; "
                 "name it by import path in train.loss for other backends"
             )
-        self.backend_factory = backend_factory or SimulatorFactory(config, loss)
+        self.backend_factory = backend_factory or default_factory(config, loss)
 
     def federation(self, seed: int) -> FederationView:
         if self._federation is not None:
@@ -238,8 +238,13 @@ class Experiment:
         """
         device = resolve_device(self.config.device)  # fails before the run directory exists
         rundir = RunDirectory(out)
-        with rundir.lock() if resume else rundir.claim():
-            return self._run(rundir, resume, progress, stop_after_round, device)
+        try:
+            with rundir.lock() if resume else rundir.claim():
+                return self._run(rundir, resume, progress, stop_after_round, device)
+        finally:
+            close = getattr(self.backend_factory, "close", None)
+            if close is not None:  # a backend with processes of its own (distributed)
+                close()
 
     def _run(
         self,
@@ -316,6 +321,15 @@ class SimulatorFactory:
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend:
         assert isinstance(federation, Federation)
         return simulator_for(self.config, model, federation, seed, loss=self.loss)
+
+
+def default_factory(config: ExperimentConfig, loss: LossFn | None = None) -> BackendFactory:
+    """The config's backend: the simulator in this process, or sharded over workers."""
+    if config.backend == "distributed":
+        from fedcluster.engine.distributed import DistributedFactory
+
+        return DistributedFactory(config, loss)
+    return SimulatorFactory(config, loss)
 
 
 class Job:
