@@ -43,8 +43,10 @@ torchrun or Slurm starts.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -96,14 +98,58 @@ def torchrun_rank() -> int | None:
     return None
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles a message but for its plain tensors, which travel apart as raw bytes."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is not torch.Tensor:
+            return None
+        self.tensors.append(obj.detach().cpu().contiguous())
+        return (len(self.tensors) - 1, obj.dtype, tuple(obj.shape))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        index, dtype, shape = pid
+        return self.tensors[index].view(dtype).reshape(shape)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _send(obj: Any, rank: int) -> None:
-    dist.send_object_list([obj], dst=rank)
+    """Send ``obj`` to ``rank``: its pickle without its tensors, their sizes, then each
+    tensor's bytes straight from its memory (no pickling of the large arrays)."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(obj)
+    sizes = [t.numel() * t.element_size() for t in pickler.tensors]
+    dist.send_object_list([(buffer.getvalue(), sizes)], dst=rank)
+    for t, n in zip(pickler.tensors, sizes, strict=True):
+        if n:
+            dist.send(_bytes_of(t), dst=rank)
 
 
 def _recv(rank: int) -> Any:
     box: list[Any] = [None]
     dist.recv_object_list(box, src=rank)
-    return box[0]
+    data, sizes = box[0]
+    tensors = []
+    for n in sizes:
+        raw = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.recv(raw, src=rank)
+        tensors.append(raw)
+    return _Unpickler(io.BytesIO(data), tensors).load()
 
 
 # ------------------------------------------------------------------- workers
