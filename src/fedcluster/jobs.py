@@ -5,8 +5,9 @@ algorithm entry (a sweep's settings are labelled entries). With ``jobs: N``
 (``--jobs N``) they run over N worker processes of a
 ``concurrent.futures.ProcessPoolExecutor`` (spawn context: no forked torch
 threads), each process limited to its share of the CPUs
-(``torch.set_num_threads(max(1, cores // N))``), as pfl-research runs its
-simulations' workers one per core share.
+(``torch.set_num_threads(max(1, cores // N))``) while its simulator keeps the
+driver's thread count for the MLP kernel's client groups (a client's float
+rounding depends on its group's shapes, :class:`~fedcluster.runner.SimulatorFactory`).
 
 Every job is computed exactly as in a sequential run: all randomness is
 derived from (seed, purpose, round, client) (:mod:`fedcluster.rng`) and each
@@ -72,7 +73,8 @@ def run_jobs(
     given = _picklable(
         experiment._model, experiment._federation, experiment.backend_factory.loss, experiment
     )
-    task = _JobTask(cfg, *given, run.path, run.resume, last, device, threads_per_job(n))
+    threads = (threads_per_job(n), torch.get_num_threads())
+    task = _JobTask(cfg, *given, run.path, run.resume, last, device, threads)
     context = get_context("spawn")
     with ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
         futures: list[Future[JobResult]] = [pool.submit(task, seed, i) for seed, i in order]
@@ -127,7 +129,7 @@ class _JobTask:
         resume: bool,
         last: int,
         device: torch.device,
-        threads: int,
+        threads: tuple[int, int],
     ) -> None:
         self.config = config.model_copy(update={"jobs": 1})
         self.model, self.federation, self.loss = model, federation, loss
@@ -136,10 +138,14 @@ class _JobTask:
         self.device, self.threads = device, threads
 
     def __call__(self, seed: int, index: int) -> JobResult:
-        from fedcluster.runner import Experiment, Job
+        from fedcluster.runner import Experiment, Job, SimulatorFactory
 
-        torch.set_num_threads(self.threads)
+        share, driver = self.threads
+        torch.set_num_threads(share)
         experiment = Experiment(self.config, self.model, self.federation, loss=self.loss)
+        # the driver's simulator threads: the MLP kernel's client groups (and so every
+        # client's rounding) are the sequential run's
+        experiment.backend_factory = SimulatorFactory(experiment.config, self.loss, driver)
         cfg = experiment.config
         rundir = RunDirectory(self.path)
         callbacks = [

@@ -309,18 +309,28 @@ class BackendFactory(Protocol):
 
 
 class SimulatorFactory:
-    """The batched simulator over the config's dataset and partition (the default)."""
+    """The batched simulator over the config's dataset and partition (the default).
 
-    def __init__(self, config: ExperimentConfig, loss: LossFn | None = None) -> None:
+    ``threads`` fixes the simulator's worker threads (default: torch's thread count); a
+    job of a parallel run passes its driver's count, so that the MLP kernel forms the
+    same client groups as the sequential run (:func:`~fedcluster.engine.simulator.
+    balanced_group_size`): a client's float rounding depends on its group's shapes.
+    """
+
+    def __init__(
+        self, config: ExperimentConfig, loss: LossFn | None = None, threads: int | None = None
+    ) -> None:
         self.config = config
         self.loss = loss
+        self.threads = threads
 
     def federation(self, seed: int) -> Federation:
         return build_federation_for(self.config, seed)
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend:
         assert isinstance(federation, Federation)
-        return simulator_for(self.config, model, federation, seed, loss=self.loss)
+        options = {} if self.threads is None else {"threads": self.threads}
+        return simulator_for(self.config, model, federation, seed, loss=self.loss, **options)
 
 
 def default_factory(config: ExperimentConfig, loss: LossFn | None = None) -> BackendFactory:
