@@ -6,10 +6,15 @@ a worker killed mid-run leaves a run that completes with the same numbers and re
 from __future__ import annotations
 
 import csv
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import tests.algorithms.test_custom_computation  # noqa: F401  (registers test-label-split)
 from fedcluster.callbacks import Callback
@@ -32,10 +37,20 @@ ALGORITHMS = [
 
 
 def _config(algorithms: list[dict], backend: str = "simulator") -> dict:
+    """7 digits clients, 3 rounds, 75% participation. ``group_size: 1``: the MLP kernel
+    trains each client alone, so a client's arithmetic has the same shapes wherever it
+    runs and the numbers are equal bit for bit on any CPU (in groups, a client's float
+    rounding depends on its group mates' batch shapes: docs/scale-out.md)."""
     config = digits_config("distributed", 3, algorithms)
     config["data"]["partition"] = {"name": "dirichlet", "n_clients": 7, "alpha": 0.5}
     config["data"]["partition"]["test_fraction"] = 0.2
-    return {**config, "participation": {"fraction": 0.75}, "backend": backend, "workers": 2}
+    return {
+        **config,
+        "participation": {"fraction": 0.75},
+        "group_size": 1,
+        "backend": backend,
+        "workers": 2,
+    }
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -97,3 +112,23 @@ def test_a_killed_worker_s_clients_move_and_the_run_resumes_to_the_same_numbers(
     assert all("worker 1 lost" in r["detail"] for r in moved)
     assert main(["resume", str(tmp_path / "cut"), "--backend", "distributed", "--quiet"]) == 0
     _same_numbers(tmp_path / "one", tmp_path / "cut")
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_drives_and_the_other_ranks_serve(tmp_path):
+    """`torchrun --nproc-per-node 3 -m fedcluster run ... --backend distributed`: the
+    command of docs/scale-out.md, on loopback."""
+    config = _config([{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": 2}}])
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    Experiment(validate_config(config)).run(tmp_path / "one", progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    command += ["-m", "fedcluster", "run", str(tmp_path / "run.yaml"), "--backend"]
+    command += ["distributed", "--out", str(tmp_path / "torchrun"), "--quiet", "--no-report"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _same_numbers(tmp_path / "one", tmp_path / "torchrun")
