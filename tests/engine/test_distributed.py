@@ -21,6 +21,7 @@ from fedcluster.callbacks import Callback
 from fedcluster.cli import main
 from fedcluster.config import validate_config
 from fedcluster.engine.distributed import shard_clients
+from fedcluster.errors import ConfigError
 from fedcluster.metrics import TIMING_COLUMNS
 from fedcluster.runner import Experiment
 from tests.helpers import digits_config
@@ -132,3 +133,10 @@ def test_under_torchrun_rank_0_drives_and_the_other_ranks_serve(tmp_path):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     _same_numbers(tmp_path / "one", tmp_path / "torchrun")
+
+
+def test_a_bad_address_is_one_line_and_leaves_no_run_directory(tmp_path):
+    config = validate_config({**_config([{"name": "fedavg"}], "distributed"), "address": "node0"})
+    with pytest.raises(ConfigError, match="address: 'node0' is not HOST:PORT"):
+        Experiment(config).run(tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists()

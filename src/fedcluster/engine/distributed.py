@@ -68,7 +68,7 @@ from fedcluster.engine.computation import ClientComputation, Request, Returned, 
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, resolve_loss
 from fedcluster.engine.simulator import Simulator
-from fedcluster.errors import FedclusterError
+from fedcluster.errors import ConfigError, FedclusterError
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,9 @@ class WorkerGroup:
                 dist.init_process_group("gloo", timeout=TIMEOUT)
         else:
             address = address or f"127.0.0.1:{_free_port()}"
-            host, port = address.rsplit(":", 1)
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"address: {address!r} is not HOST:PORT")
             world = workers + 1
             threads = max(1, len(os.sched_getaffinity(0)) // workers)
             context = get_context("spawn")
@@ -295,6 +297,13 @@ class DistributedFactory:
     client computations on the workers (the runner's BackendFactory)."""
 
     def __init__(self, config: ExperimentConfig, loss: LossFn | None = None) -> None:
+        try:
+            pickle.dumps(loss)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"loss: the loss function cannot be sent to the workers ({exc}); define it "
+                f"in a module and name it in train.loss"
+            ) from None
         self.config = config
         self.loss = loss
         self.group: WorkerGroup | None = None
