@@ -19,7 +19,8 @@ and run the batched :class:`~fedcluster.engine.simulator.Simulator` on it.
   factory, an object passed from Python, label flips) the workers compute on the
   same samples.
 - **Requests**: :meth:`DistributedBackend.run` sends every worker the request of
-  its clients among those asked (the computation by its registered name and its
+  its clients among those asked (per-client rows that repeat, such as IFCA's start
+  rows, as their distinct rows and an index) (the computation by its registered name and its
   module, which the worker imports: a plugin computation runs unchanged), the
   workers compute at once, and the replies are put back in the clients' order.
   Each worker's simulator names its clients by their ids in the run
@@ -49,7 +50,7 @@ import os
 import pickle
 import socket
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing import get_context
 from typing import Any
@@ -180,6 +181,7 @@ def serve() -> None:
                 continue
             _, job, name, module, positions, request = message
             assert kind == "run" and shard is not None and shard.job == job
+            request = _expand_rows(request)
             try:
                 computation = lookup_computation(name, module)
                 returned = shard.simulator.run(computation, positions, request)
@@ -433,6 +435,7 @@ class DistributedBackend(ClientClock):
         clients = np.asarray(clients, dtype=np.int64)
         parts: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         pending = np.arange(len(clients))
+        request = _factor_rows(request)
         with self.timed():
             while len(pending):
                 self._current()
@@ -476,6 +479,53 @@ class DistributedBackend(ClientClock):
             parts.append((at, value))
             done.append(at)
         return np.concatenate(done) if done else np.zeros(0, np.int64)
+
+
+FACTORED = "distributed/factored"
+"""A request setting: the own row fields sent as their distinct rows, the rows' index in
+``own`` and the distinct rows in ``shared[FACTORED + name]``."""
+
+
+def _factor_rows(request: Request) -> Request:
+    """``request`` with each own float row field [n, d] whose rows repeat (e.g. IFCA's
+    start rows, K distinct models for n clients) sent as its distinct rows and an index
+    per client: K rows cross to the workers instead of n. Rows are grouped by a
+    projection and checked equal before they are replaced, so the worker rebuilds
+    exactly the rows asked (:func:`_expand_rows`)."""
+    shared, own, factored = dict(request.shared), dict(request.own), []
+    for name, rows in request.own.items():
+        if not (rows.is_floating_point() and rows.dim() == 2 and len(rows) > 1):
+            continue
+        probe = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0))
+        keys = (rows @ probe.to(rows.dtype)).numpy()
+        _, first, index = np.unique(keys, return_index=True, return_inverse=True)
+        if 2 * len(first) > len(rows):
+            continue
+        distinct = rows[torch.as_tensor(first)]
+        index = torch.as_tensor(index.reshape(-1))
+        if not torch.equal(distinct[index], rows):  # a projection collision: send as is
+            continue
+        shared[FACTORED + name] = distinct
+        own[name] = index
+        factored.append(name)
+    if not factored:
+        return request
+    return replace(
+        request, shared=shared, own=own, settings={**request.settings, FACTORED: factored}
+    )
+
+
+def _expand_rows(request: Request) -> Request:
+    """The request :func:`_factor_rows` factored, with its own row fields rebuilt."""
+    names = request.settings.get(FACTORED)
+    if not names:
+        return request
+    own = dict(request.own)
+    for name in names:
+        own[name] = request.shared[FACTORED + name][own[name]]
+    shared = {k: v for k, v in request.shared.items() if not k.startswith(FACTORED)}
+    settings = {k: v for k, v in request.settings.items() if k != FACTORED}
+    return replace(request, shared=shared, own=own, settings=settings)
 
 
 def _in_order(
