@@ -12,9 +12,10 @@ the per-cluster average) and its evaluation, through a backend:
   sharded over N worker processes on this machine (gloo over 127.0.0.1), each with
   its share of the CPUs; the driver keeps the algorithm and the channel.
 
-Both start from the same models; the script checks that they end with the same
-cluster models and assignments, then reports seconds per round (median of
-``--rounds`` timed rounds after one warm-up round) and the ratio. Load matters on a
+Both start from the same models and run their rounds interleaved (one round of
+each in turn, so both see the same machine load); the script checks that they end
+with the same cluster models and assignments, then reports seconds per round
+(median of ``--rounds`` timed rounds after one warm-up round) and the ratio. Load matters on a
 shared machine: compare only ratios from one run (``os.getloadavg()`` is recorded).
 
     python benchmarks/bench_workers.py --workers 2 --out workers.json
@@ -53,30 +54,35 @@ from fedcluster.models import build_model
 from fedcluster.runner import simulator_for
 
 
-def timed_rounds(backend: Backend, cfg, rounds: int) -> dict:
-    """IFCA's rounds (and evaluations) through ``backend``: seconds per round, the final
-    models and assignments."""
-    train = LocalTraining(**cfg.train.model_dump(exclude={"loss"}))
-    ctx = Context.for_backend(backend, train, 0, init_row(backend.model, 0, "init"))
-    spec = cfg.algorithms[0]
-    algorithm = algorithm_class(spec.name)(algorithm_params(spec), ctx)
-    state = algorithm.init_state()
-    clients = np.arange(backend.federation.n_clients)
-    seconds = []
-    for rnd in range(1, rounds + 2):  # round 1 warms up (Gram matrices, first allocations)
-        ctx.channel.start_round()
+class Rounds:
+    """IFCA's rounds (and evaluations) through one backend, one at a time."""
+
+    def __init__(self, backend: Backend, cfg) -> None:
+        train = LocalTraining(**cfg.train.model_dump(exclude={"loss"}))
+        self.ctx = Context.for_backend(backend, train, 0, init_row(backend.model, 0, "init"))
+        spec = cfg.algorithms[0]
+        self.algorithm = algorithm_class(spec.name)(algorithm_params(spec), self.ctx)
+        self.state = self.algorithm.init_state()
+        self.clients = np.arange(backend.federation.n_clients)
+        self.seconds: list[float] = []
+        self.accuracy = float("nan")
+
+    def next(self, rnd: int) -> None:
+        self.ctx.channel.start_round()
         t0 = time.perf_counter()
-        algorithm.run_round(state, rnd, clients)
-        result = algorithm.evaluate(state, rnd)
-        seconds.append(time.perf_counter() - t0)
-    accuracy = float(result.correct.sum() / result.count.sum())
-    return {
-        "round_s": statistics.median(seconds[1:]),
-        "rounds_s": seconds,
-        "accuracy": accuracy,
-        "models": state.models.clone(),
-        "assign": algorithm.clusters(state),
-    }
+        self.algorithm.run_round(self.state, rnd, self.clients)
+        result = self.algorithm.evaluate(self.state, rnd)
+        self.seconds.append(time.perf_counter() - t0)
+        self.accuracy = float(result.correct.sum() / result.count.sum())
+
+    def summary(self) -> dict:
+        return {
+            "round_s": statistics.median(self.seconds[1:]),  # round 1 warms up
+            "rounds_s": self.seconds,
+            "accuracy": self.accuracy,
+            "models": self.state.models.clone(),
+            "assign": self.algorithm.clusters(self.state),
+        }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,13 +101,16 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = cfg.model_copy(update={"backend": "distributed", "workers": args.workers})
     model = build_model(cfg.model.name, fed.input_shape, fed.n_classes, **cfg.model.options)
     load_before = os.getloadavg()
-    one = timed_rounds(simulator_for(cfg, model, fed, 0), cfg, args.rounds)
     factory = DistributedFactory(cfg)
     t0 = time.perf_counter()
     backend = factory.backend(model, fed, 0)  # starts the workers, sends the shards
     start_s = time.perf_counter() - t0
     try:
-        many = timed_rounds(backend, cfg, args.rounds)
+        rounds = Rounds(simulator_for(cfg, model, fed, 0), cfg), Rounds(backend, cfg)
+        for rnd in range(1, args.rounds + 2):  # interleaved: both see the same load
+            for variant in rounds:
+                variant.next(rnd)
+        one, many = (variant.summary() for variant in rounds)
     finally:
         factory.close()
     same_models = bool(torch.equal(one["models"], many["models"]))
