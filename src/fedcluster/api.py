@@ -42,7 +42,13 @@ from fedcluster.algorithms import ALGORITHMS, Algorithm, AlgorithmParams
 from fedcluster.callbacks import Callback
 from fedcluster.client_results import read_clients
 from fedcluster.cluster_choice import Assignment, DeviceData, FinishedRun
-from fedcluster.config import AlgorithmSpec, ExperimentConfig, deep_merge, validate_config
+from fedcluster.config import (
+    AlgorithmSpec,
+    ExperimentConfig,
+    deep_merge,
+    validate_config,
+    with_execution,
+)
 from fedcluster.data.federation import Federation
 from fedcluster.engine.modes import LossFn
 from fedcluster.errors import ConfigError
@@ -246,6 +252,7 @@ def run(
     progress: bool = False,
     loss: LossFn | None = None,
     overwrite: bool = False,
+    jobs: int = 1,
 ) -> RunResult:
     """Run ``algorithms`` on ``federation`` with ``model``; write the run directory ``out``.
 
@@ -273,6 +280,8 @@ def run(
         loss: a loss function ``(logits, targets) -> mean loss`` instead of
             cross-entropy (recorded by import path where it has one; or name it in
             ``train={"loss": "package.module:function"}``).
+        jobs: run the (algorithm, seed) jobs over this many local worker processes
+            (:mod:`fedcluster.jobs`; the objects and callbacks passed must pickle).
 
     Returns:
         The run directory read back (:class:`RunResult`).
@@ -292,6 +301,7 @@ def run(
         model=model_path,
         federation=fed_path,
     )
+    cfg = with_execution(cfg, jobs=jobs)
     experiment = Experiment(
         cfg, model=model_obj, federation=fed_obj, callbacks=callbacks, loss=loss
     )
@@ -310,12 +320,13 @@ def resume(
     progress: bool = False,
     trust: bool = False,
     loss: LossFn | None = None,
+    jobs: int = 1,
 ) -> RunResult:
     """Continue a killed run; pass the model and federation objects it was started with
     (their hashes are checked against ``config.yaml``) when it was started with objects,
     and the ``loss`` function when it was passed and cannot be imported by path.
     ``trust`` imports the code its config names even where no checkpoint vouches for it
-    (:func:`fedcluster.rundir.check_resumable`)."""
+    (:func:`fedcluster.rundir.check_resumable`); ``jobs`` as for :func:`run`."""
     _resume(
         run_dir,
         progress=progress,
@@ -324,6 +335,7 @@ def resume(
         federation=federation,
         trust=trust,
         loss=loss,
+        execution={"jobs": jobs},
     )
     return RunResult.load(run_dir, _write_report(Path(run_dir)) if report else None)
 

@@ -52,6 +52,30 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _report_flags(p)
+    _jobs_flag(p)
+
+
+def _jobs_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help="run the (algorithm, seed) jobs over N local worker processes "
+        "(sets jobs; the run directory equals a sequential run's)",
+    )
+
+
+def _distributed_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="--backend distributed: worker processes the clients are sharded over (default 2)",
+    )
+    p.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="--backend distributed: the rendezvous (default a free port on 127.0.0.1; "
+        "under torchrun its MASTER_ADDR:MASTER_PORT)",
+    )
 
 
 def _sweep_flags(p: argparse.ArgumentParser) -> None:
@@ -109,12 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sweep_flags(run)
     run.add_argument(
         "--backend",
-        choices=("simulator", "flower"),
-        default="simulator",
-        help="run the client computations in the batched simulator (default) or on "
+        choices=("simulator", "distributed", "flower"),
+        help="run the client computations in the batched simulator (default), sharded "
+        "over torch.distributed worker processes (distributed, docs/scale-out.md), or on "
         "Flower's simulation engine, one SuperNode per client (needs `pip install "
         "'fedcluster[flower]'`)",
     )
+    _distributed_flags(run)
 
     compare = sub.add_parser("compare", help="run several algorithms on the same federation")
     _common(compare)
@@ -132,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         "even when no checkpoint shows the run started with it",
     )
     _report_flags(res)
+    _jobs_flag(res)
+    res.add_argument(
+        "--backend",
+        choices=("simulator", "distributed"),
+        help="where the resumed jobs' client computations run (default: the simulator)",
+    )
+    _distributed_flags(res)
 
     rep = sub.add_parser("report", help="write report.html and report.md of one or more runs")
     rep.add_argument(
@@ -234,7 +266,20 @@ def _overrides(args: argparse.Namespace) -> dict:
         over["seeds"] = list(range(args.seeds))
     if args.download:
         over.setdefault("data", {})["download"] = True
-    return over
+    return {**over, **_execution(args)}
+
+
+def _execution(args: argparse.Namespace) -> dict:
+    """The execution fields (config.EXECUTION_FIELDS) the flags set."""
+    flags = {
+        "jobs": args.jobs,
+        "backend": getattr(args, "backend", None),
+        "workers": getattr(args, "workers", None),
+        "address": getattr(args, "address", None),
+    }
+    if flags["backend"] == "flower":
+        del flags["backend"]
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def _algorithm_names(args: argparse.Namespace) -> list[str] | None:
@@ -264,6 +309,8 @@ def _run(args: argparse.Namespace) -> int:
         algorithms=_algorithm_names(args),
         sweeps=args.sweeps,
     )
+    if config.backend == "distributed" and _serves():
+        return 0
     slug = run_slug(args.sets, getattr(args, "algorithms", None), args.sweeps)
     name = f"{config.name}-{slug}" if slug else config.name
     out = check_path(args.out or f"runs/{name}-{datetime.now():%Y%m%d-%H%M%S}", "--out")
@@ -333,6 +380,17 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serves() -> bool:
+    """Under torchrun, serve as a distributed worker on every rank but 0 (the driver);
+    True when this process was one (it has served and the run is over)."""
+    from fedcluster.engine.distributed import serve, torchrun_rank
+
+    if torchrun_rank() in (None, 0):
+        return False
+    serve()
+    return True
+
+
 class Interrupted(Exception):
     """Ctrl-C (SIGINT) during a run: what to do next, in one line (exit status 130)."""
 
@@ -398,9 +456,17 @@ def _resume(args: argparse.Namespace) -> int:
 
     if not (Path(args.dir) / "config.yaml").exists():
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
+    if _execution(args).get("backend") == "distributed" and _serves():
+        return 0
     callbacks = _callbacks(args)
     with _stops_are_resumable(Path(args.dir)):
-        resume(args.dir, progress=not args.quiet, callbacks=callbacks, trust=args.trust)
+        resume(
+            args.dir,
+            progress=not args.quiet,
+            callbacks=callbacks,
+            trust=args.trust,
+            execution=_execution(args),
+        )
     _print_summary(Path(args.dir))
     _report(args, Path(args.dir))
     return 0

@@ -472,6 +472,27 @@ class ExperimentConfig(_Strict):
         description="clients trained together by the MLP kernel (default: equal groups of at "
         "most 8 that keep every worker thread busy)",
     )
+    jobs: int = Field(
+        1,
+        ge=1,
+        le=limits.MAX_COUNT,
+        description="(algorithm, seed) jobs run at once, each in a local worker process "
+        "(fedcluster.jobs); not part of config.yaml: it does not change a number",
+    )
+    backend: Literal["simulator", "distributed"] = Field(
+        "simulator",
+        description="where the client computations run: the batched simulator in this "
+        "process, or sharded over torch.distributed workers (fedcluster.engine.distributed); "
+        "not part of config.yaml",
+    )
+    workers: int = Field(
+        2, ge=1, le=limits.MAX_COUNT, description="worker processes of backend: distributed"
+    )
+    address: str | None = Field(
+        None,
+        description="HOST:PORT of backend: distributed's rendezvous (default: a free port on "
+        "127.0.0.1; under torchrun: its MASTER_ADDR and MASTER_PORT)",
+    )
 
     @model_validator(mode="after")
     def _unique_labels(self) -> ExperimentConfig:
@@ -647,6 +668,23 @@ def resolve_config(
     return validate_config(raw)
 
 
+EXECUTION_FIELDS = frozenset({"jobs", "backend", "workers", "address"})
+"""How a run is executed, not what it computes: the same numbers with any of them, so
+``config.yaml`` and its digest leave them out and a run resumes with other values."""
+
+
+def with_execution(config: ExperimentConfig, **fields: Any) -> ExperimentConfig:
+    """``config`` with the :data:`EXECUTION_FIELDS` given (``None``: kept), validated."""
+    update = {k: v for k, v in fields.items() if v is not None}
+    unknown = sorted(set(update) - EXECUTION_FIELDS)
+    if unknown:
+        raise ValueError(f"not execution fields: {unknown}")
+    if not update:
+        return config
+    return validate_config({**config.model_dump(mode="json"), **update})
+
+
 def dump_config(config: ExperimentConfig) -> str:
-    """The fully resolved config as YAML (what ``config.yaml`` of a run directory holds)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The fully resolved config as YAML (what ``config.yaml`` of a run directory holds),
+    without :data:`EXECUTION_FIELDS`."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude=EXECUTION_FIELDS), sort_keys=False)

@@ -204,8 +204,21 @@ class RunDirectory:
         safe = "".join(ch if ch.isalnum() or ch in "-_.=," else "_" for ch in label)
         return self.checkpoints / f"{safe}-seed{seed}.pt"
 
+    @contextmanager
+    def tables_locked(self) -> Iterator[None]:
+        """Hold the tables for one read-modify-write or append: the jobs of a parallel
+        run (:mod:`fedcluster.jobs`) write them from several processes. An advisory
+        ``flock`` on the directory itself, so the directory holds no extra file."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def append(self, path: Path, rows: list[list[str]]) -> None:
-        safefiles.append(path, _csv_text(rows))
+        with self.tables_locked():
+            safefiles.append(path, _csv_text(rows))
 
     def _rewrite(
         self,
@@ -245,17 +258,18 @@ class RunDirectory:
         (or that held unreadable rows, or were missing): on a normal resume, none.
         """
         changed = []
-        for path, header in self.tables():
-            kept, mine, dropped = self._rows_apart(path, header, label, seed)
-            r = header.index("round")
-            mine = [row for row in mine if int(row[r]) <= through]
-            if path == self.clients:
-                new = mine
-            else:
-                new = lines.get(path, [])
-                if mine != new or dropped or not path.exists():
-                    changed.append(path.name)
-            safefiles.write_atomic(path, _csv_text([header, *kept, *new]))
+        with self.tables_locked():
+            for path, header in self.tables():
+                kept, mine, dropped = self._rows_apart(path, header, label, seed)
+                r = header.index("round")
+                mine = [row for row in mine if int(row[r]) <= through]
+                if path == self.clients:
+                    new = mine
+                else:
+                    new = lines.get(path, [])
+                    if mine != new or dropped or not path.exists():
+                        changed.append(path.name)
+                safefiles.write_atomic(path, _csv_text([header, *kept, *new]))
         return changed
 
     @staticmethod
@@ -284,22 +298,25 @@ class RunDirectory:
         def order(r: dict[str, str]) -> tuple:
             return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
 
-        for path, _ in self.tables():
-            self._rewrite(path, lambda r: True, order)
+        with self.tables_locked():
+            for path, _ in self.tables():
+                self._rewrite(path, lambda r: True, order)
 
     def save_k_curve(
         self, label: str, seed: int, parameter: str, curve: dict[int, float], chosen: int
     ) -> None:
         """A job's ``n_clusters: auto`` choice: one ``select_k.csv`` row per K of the range
         (the silhouette, ``chosen`` 1 on the chosen K), replacing the job's earlier rows."""
-        kept = []
-        if self.select_k.exists():
-            kept = [r for r in _read_rows(self.select_k) if (r[0], r[1]) != (label, str(seed))]
         mine = [
             [label, str(seed), parameter, "silhouette", str(k), repr(v), str(int(k == chosen))]
             for k, v in sorted(curve.items())
         ]
-        safefiles.write_atomic(self.select_k, _csv_text([SELECT_K_COLUMNS, *kept, *mine]))
+        with self.tables_locked():
+            kept = []
+            if self.select_k.exists():
+                rows = _read_rows(self.select_k)
+                kept = [r for r in rows if (r[0], r[1]) != (label, str(seed))]
+            safefiles.write_atomic(self.select_k, _csv_text([SELECT_K_COLUMNS, *kept, *mine]))
 
     def chosen_k(self, label: str, seed: int) -> int | None:
         """The K ``select_k.csv`` records as chosen for the job (``None``: no such row)."""

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,7 +38,13 @@ from fedcluster.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.capacity import check_batch_plans, check_cluster_counts
 from fedcluster.central_dp import CentralDP
 from fedcluster.client_results import client_records
-from fedcluster.config import AlgorithmSpec, ExperimentConfig, load_yaml, validate_config
+from fedcluster.config import (
+    AlgorithmSpec,
+    ExperimentConfig,
+    load_yaml,
+    validate_config,
+    with_execution,
+)
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.natural import NATURAL, make_natural
@@ -200,7 +206,7 @@ class Experiment:
                 "loss: a loss given from Python runs on the simulator only; "
                 "name it by import path in train.loss for other backends"
             )
-        self.backend_factory = backend_factory or SimulatorFactory(config, loss)
+        self.backend_factory = backend_factory or default_factory(config, loss)
 
     def federation(self, seed: int) -> FederationView:
         if self._federation is not None:
@@ -243,8 +249,13 @@ class Experiment:
         """
         device = resolve_device(self.config.device)  # fails before the run directory exists
         rundir = RunDirectory(out)
-        with rundir.lock() if resume else rundir.claim():
-            return self._run(rundir, resume, progress, stop_after_round, device)
+        try:
+            with rundir.lock() if resume else rundir.claim():
+                return self._run(rundir, resume, progress, stop_after_round, device)
+        finally:
+            close = getattr(self.backend_factory, "close", None)
+            if close is not None:  # a backend with processes of its own (distributed)
+                close()
 
     def _run(
         self,
@@ -263,21 +274,56 @@ class Experiment:
         run = RunInfo(rundir.path, cfg, resume, record)
         for callback in callbacks:
             callback.on_run_start(run)
-        results = []
-        for seed in cfg.seeds:
-            federation, pool = self.data(seed)
-            record["data"].append(data_record(cfg, seed, federation))
-            if not resume:  # a resumed run's config.yaml stays as its checkpoints knew it
-                rundir.write_config(cfg, record)
-            if isinstance(federation, Federation):  # the nodes hold the data on Flower
-                federation = federation.to(device)
-            setting, scenario = self.setting(federation, seed)
-            for spec in cfg.algorithms:
-                job = Job(self, run, spec, seed, setting, (scenario, pool))
-                results.append(job.run(rundir, resume, last, callbacks))
+        if cfg.jobs > 1:
+            from fedcluster.jobs import run_jobs  # jobs.py builds on this module
+
+            for seed in cfg.seeds:  # the workers build each seed's data; record it here
+                self.record_data(rundir, record, seed, self.data(seed)[0], resume)
+            results = run_jobs(self, run, last, device, progress)
+            rundir.sort_rows([(r.algorithm, r.seed) for r in results])
+        else:
+            results = []
+            for seed in cfg.seeds:
+                setting, dynamics = self.seed_setting(seed, device, rundir, record, resume)
+                for spec in cfg.algorithms:
+                    job = Job(self, run, spec, seed, setting, dynamics)
+                    results.append(job.run(rundir, resume, last, callbacks))
         for callback in callbacks:
             callback.on_run_end(run, results)
         return results
+
+    def record_data(
+        self,
+        rundir: RunDirectory,
+        record: dict[str, Any],
+        seed: int,
+        federation: FederationView,
+        resume: bool,
+    ) -> None:
+        """Add the data seed ``seed`` uses to the run's ``record`` and to config.yaml (a
+        resumed run's config.yaml stays as its checkpoints knew it)."""
+        record["data"].append(data_record(self.config, seed, federation))
+        if not resume:
+            rundir.write_config(self.config, record)
+
+    def seed_setting(
+        self,
+        seed: int,
+        device: torch.device,
+        rundir: RunDirectory | None = None,
+        record: dict[str, Any] | None = None,
+        resume: bool = False,
+    ) -> tuple[tuple[FederationView, nn.Module, torch.Tensor], tuple[Scenario, DriftPool | None]]:
+        """What every job of a seed starts from: (federation on ``device``, model, initial
+        row) and (the seed's scenario, the drift's sample pool); with ``rundir`` and
+        ``record``, the data is recorded (:meth:`record_data`)."""
+        federation, pool = self.data(seed)
+        if rundir is not None and record is not None:
+            self.record_data(rundir, record, seed, federation, resume)
+        if isinstance(federation, Federation):  # the nodes hold the data on Flower
+            federation = federation.to(device)
+        setting, scenario = self.setting(federation, seed)
+        return setting, (scenario, pool)
 
     def setting(
         self, federation: FederationView, seed: int
@@ -305,20 +351,39 @@ class BackendFactory(Protocol):
 
 
 class SimulatorFactory:
-    """The batched simulator over the config's dataset and partition (the default)."""
+    """The batched simulator over the config's dataset and partition (the default).
+
+    ``threads`` fixes the simulator's worker threads (default: torch's thread count); a
+    job of a parallel run passes its driver's count, so that the MLP kernel forms the
+    same client groups as the sequential run (:func:`~fedcluster.engine.simulator.
+    balanced_group_size`): a client's float rounding depends on its group's shapes.
+    """
 
     name = "simulator"
 
-    def __init__(self, config: ExperimentConfig, loss: LossFn | None = None) -> None:
+    def __init__(
+        self, config: ExperimentConfig, loss: LossFn | None = None, threads: int | None = None
+    ) -> None:
         self.config = config
         self.loss = loss
+        self.threads = threads
 
     def federation(self, seed: int) -> Federation:
         return build_federation_for(self.config, seed)
 
     def backend(self, model: nn.Module, federation: FederationView, seed: int) -> Backend:
         assert isinstance(federation, Federation)
-        return simulator_for(self.config, model, federation, seed, loss=self.loss)
+        options = {} if self.threads is None else {"threads": self.threads}
+        return simulator_for(self.config, model, federation, seed, loss=self.loss, **options)
+
+
+def default_factory(config: ExperimentConfig, loss: LossFn | None = None) -> BackendFactory:
+    """The config's backend: the simulator in this process, or sharded over workers."""
+    if config.backend == "distributed":
+        from fedcluster.engine.distributed import DistributedFactory
+
+        return DistributedFactory(config, loss)
+    return SimulatorFactory(config, loss)
 
 
 class Job:
@@ -580,8 +645,12 @@ def resume(
     federation: Federation | None = None,
     trust: bool = False,
     loss: LossFn | None = None,
+    execution: Mapping[str, Any] | None = None,
 ) -> list[JobResult]:
     """Continue a killed run from its checkpoints, with its own resolved config.
+
+    ``execution`` sets how the resumed jobs run (``jobs``, ``backend``, ``workers``,
+    ``address``: :data:`~fedcluster.config.EXECUTION_FIELDS`, which config.yaml leaves out).
 
     The config must be the one the checkpoints were written with; code it
     imports is imported only then or with ``trust``
@@ -593,7 +662,9 @@ def resume(
     directory (:mod:`fedcluster.rebuild`).
     """
     path = Path(out)
-    config = checked_config(path, trust, model, federation, loss)
+    config = with_execution(
+        checked_config(path, trust, model, federation, loss), **(execution or {})
+    )
     if experiment_factory is not None:
         experiment = experiment_factory(config)
     else:

@@ -198,7 +198,7 @@ class Channel:
         keep = reply.copy()
         if reply.any():
             asked = clients[reply]
-            sub = request if reply.all() else _subset(request, np.flatnonzero(reply))
+            sub = request if reply.all() else subset_request(request, np.flatnonzero(reply))
             releases = (
                 not measurement and self.privacy is not None and computation.privacy == "release"
             )
@@ -405,7 +405,7 @@ def _what(computation: str) -> str:
     return "update" if computation == "train" else computation
 
 
-def _subset(request: Request, positions: np.ndarray) -> Request:
+def subset_request(request: Request, positions: np.ndarray) -> Request:
     """The request for the clients at ``positions`` of those asked."""
     idx = torch.as_tensor(positions, dtype=torch.int64)
     own = {k: v[idx] for k, v in request.own.items()}
