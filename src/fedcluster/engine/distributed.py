@@ -500,11 +500,11 @@ def _factor_rows(request: Request) -> Request:
             continue
         probe = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0))
         keys = (rows @ probe.to(rows.dtype)).numpy()
-        _, first, index = np.unique(keys, return_index=True, return_inverse=True)
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         if 2 * len(first) > len(rows):
             continue
         distinct = rows[torch.as_tensor(first)]
-        index = torch.as_tensor(index.reshape(-1))
+        index = torch.as_tensor(inverse.reshape(-1))
         if not torch.equal(distinct[index], rows):  # a projection collision: send as is
             continue
         shared[FACTORED + name] = distinct

@@ -10,7 +10,7 @@ Reports both wall times, their ratio, and whether ``metrics.csv``, ``clusters.cs
 matters on a shared machine: ``os.getloadavg()`` is recorded; ``--repeat`` interleaves
 the two variants.
 
-    python benchmarks/bench_jobs.py --jobs 2 --out jobs.json
+    python benchmarks/performance/bench_jobs.py --jobs 2 --out jobs.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if __name__ == "__main__" and not __package__:  # run by path: as the module (as
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.as_module import run_as_module
 
     run_as_module(__file__)
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_round import machine_info
+from benchmarks.performance.bench_round import machine_info
 from fedcluster.cli import main as cli
 from fedcluster.metrics import TIMING_COLUMNS
 

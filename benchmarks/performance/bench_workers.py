@@ -18,8 +18,8 @@ with the same cluster models and assignments, then reports seconds per round
 (median of ``--rounds`` timed rounds after one warm-up round) and the ratio. Load matters on a
 shared machine: compare only ratios from one run (``os.getloadavg()`` is recorded).
 
-    python benchmarks/bench_workers.py --workers 2 --out workers.json
-    python benchmarks/bench_workers.py --clients-per-group 60 --rounds 2   # a quick check
+    python benchmarks/performance/bench_workers.py --workers 2 --out workers.json
+    python benchmarks/performance/bench_workers.py --clients-per-group 60 --rounds 2  # quick
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ if __name__ == "__main__" and not __package__:  # run by path: as the module (as
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.as_module import run_as_module
 
     run_as_module(__file__)
@@ -43,8 +43,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.bench_ifca import build
-from benchmarks.bench_round import default_data_dir, machine_info
+from benchmarks.performance.bench_ifca import build
+from benchmarks.performance.bench_round import default_data_dir, machine_info
 from fedcluster.algorithms import algorithm_class, algorithm_params
 from fedcluster.algorithms.base import Context, init_row
 from fedcluster.engine.backend import Backend
