@@ -17,11 +17,11 @@ from fedcluster.metrics import TIMING_COLUMNS
 from fedcluster.runner import Experiment
 from tests.helpers import digits_config
 
-TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv")
+TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv", "clients.csv")
 
 
 def _config(jobs: int = 1) -> dict:
-    algorithms = [{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": 2}}]
+    algorithms = [{"name": "fedavg"}, {"name": "ifca", "params": {"n_clusters": "auto"}}]
     config = digits_config("jobs", 3, algorithms)
     return {**config, "seeds": [0, 1], "jobs": jobs}
 
@@ -49,6 +49,7 @@ def _same_directory(a: Path, b: Path) -> None:
     for name in TABLES:
         assert _table(a / name) == _table(b / name), name
     assert (a / "config.yaml").read_bytes() == (b / "config.yaml").read_bytes()
+    assert (a / "select_k.csv").read_bytes() == (b / "select_k.csv").read_bytes()
     assert _summary(a) == _summary(b)
     assert sorted(p.name for p in (a / "checkpoints").iterdir()) == sorted(
         p.name for p in (b / "checkpoints").iterdir()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import yaml
 
-from fedcluster.config import DataConfig, ExperimentConfig
+from fedcluster.config import EXECUTION_FIELDS, DataConfig, ExperimentConfig
 from fedcluster.data.federation import Federation
 from fedcluster.engine.backend import FederationView
 from fedcluster.rebuild import federation_sha256
@@ -107,9 +107,11 @@ REPLACED = ("dataset", "data_dir", "download", "options", "partition")
 
 
 def config_text(config: ExperimentConfig, record: dict[str, Any]) -> str:
-    """``config.yaml``: the resolved config, without the data fields a factory or object
-    replaced (where they hold their defaults), then the ``record``."""
-    fields = config.model_dump(mode="json")
+    """``config.yaml``: the resolved config, without how it was executed
+    (:data:`~fedcluster.config.EXECUTION_FIELDS`: the record names the backend) and the
+    data fields a factory or object replaced (where they hold their defaults), then the
+    ``record``."""
+    fields = config.model_dump(mode="json", exclude=EXECUTION_FIELDS)
     data = config.data
     if data.federation is not None or data.given is not None:
         default = DataConfig.model_validate({})

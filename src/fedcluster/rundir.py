@@ -292,15 +292,21 @@ class RunDirectory:
         return kept, mine, dropped
 
     def sort_rows(self, jobs: list[tuple[str, int]]) -> None:
-        """Put rows in job order, then round (resumed jobs append after later jobs' rows)."""
+        """Put rows in job order, then round (resumed jobs, and jobs run in parallel, append
+        after later jobs' rows); ``select_k.csv`` in job order, then K."""
         rank = {(label, seed): i for i, (label, seed) in enumerate(jobs)}
 
         def order(r: dict[str, str]) -> tuple:
             return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["round"]))
 
+        def k_order(r: dict[str, str]) -> tuple:
+            return (rank.get((r["algorithm"], int(r["seed"])), len(rank)), int(r["k"]))
+
         with self.tables_locked():
             for path, _ in self.tables():
                 self._rewrite(path, lambda r: True, order)
+            if self.select_k.exists():  # jobs in parallel choose their K in any order
+                self._rewrite(self.select_k, lambda r: True, k_order)
 
     def save_k_curve(
         self, label: str, seed: int, parameter: str, curve: dict[int, float], chosen: int
