@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from fedcluster.algorithms.base import Context, init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 
 FLOAT_BYTES = 4  # parameters travel as float32
 INT_BYTES = 4  # sample counts and cluster ids travel as int32

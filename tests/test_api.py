@@ -16,9 +16,9 @@ import torch
 
 import fedcluster
 from fedcluster.cli import main
-from fedcluster.config import load_yaml, validate_config
+from fedcluster.config.schema import load_yaml, validate_config
 from fedcluster.errors import FedclusterError
-from fedcluster.runner import Experiment
+from fedcluster.experiment.runner import Experiment
 
 USER_MODULE = """
 import numpy as np

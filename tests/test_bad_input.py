@@ -11,8 +11,8 @@ import warnings
 import pytest
 
 from fedcluster.cli import main
-from fedcluster.config import MAX_ROUNDS, resolve_config
-from fedcluster.runner import select_clients
+from fedcluster.config.schema import MAX_ROUNDS, resolve_config
+from fedcluster.experiment.runner import select_clients
 from tests.helpers import TINY_RUN_SETS
 
 TINY = ["--quiet", "--rounds", "1", *TINY_RUN_SETS]
@@ -139,8 +139,8 @@ def test_batch_plan_estimate_counts_the_steps_batch_plan_draws():
     (epochs × ⌈n/B⌉, or ``steps``), each charged its index tensor and indices."""
     import numpy as np
 
-    from fedcluster.capacity import INDEX_BYTES, PLAN_STEP_BYTES, batch_plan_bytes
-    from fedcluster.engine.batches import LocalTraining, batch_plan
+    from fedcluster.experiment.capacity import INDEX_BYTES, PLAN_STEP_BYTES, batch_plan_bytes
+    from fedcluster.protocol.batches import LocalTraining, batch_plan
 
     sizes = np.array([0, 5, 37, 64])
     for epochs, steps in ((3, None), (1, 11)):
@@ -170,7 +170,7 @@ def test_resources_beyond_the_machine_are_refused_up_front(
     """At their documented maxima, local steps and epochs are refused with the estimate
     (memory allowed fixed at 8 GiB here, so the outcome does not depend on the machine);
     a million clusters for 4 clients is refused before any model is built."""
-    monkeypatch.setattr("fedcluster.capacity.allowed_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr("fedcluster.experiment.capacity.allowed_bytes", lambda: 8 * 2**30)
     extra = [a for s in sets for a in ("--set", s)]
     assert main(["run", *TINY, "--out", str(tmp_path / "run"), *extra]) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Central DP per cluster aggregate and privatised sketches (fedcluster.central_dp).
+"""Central DP per cluster aggregate and privatised sketches (fedcluster.privacy.central).
 
 Against hand computations (the sketch's clip and noise scale, Andrew et al.'s
 noise split and clip update) and against Opacus' RDP accountant called
@@ -16,9 +16,12 @@ import torch
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-import fedcluster.central_dp as central_dp
+import fedcluster.privacy.central as central_dp
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.central_dp import (
+from fedcluster.config.schema import resolve_config
+from fedcluster.errors import ConfigError
+from fedcluster.experiment.runner import Experiment
+from fedcluster.privacy.central import (
     CentralDP,
     calibrate_central,
     composed_epsilon,
@@ -26,10 +29,7 @@ from fedcluster.central_dp import (
     release_sketch,
     update_noise_multiplier,
 )
-from fedcluster.config import resolve_config
-from fedcluster.errors import ConfigError
 from fedcluster.rng import torch_rng
-from fedcluster.runner import Experiment
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:opacus.*"),

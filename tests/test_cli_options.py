@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from fedcluster.algorithms import ALGORITHMS
-from fedcluster.catalog import ALGORITHMS as DESCRIBED
-from fedcluster.catalog import sections
 from fedcluster.cli import _overrides, build_parser, main
-from fedcluster.config import resolve_config
+from fedcluster.config.overrides import run_slug
+from fedcluster.config.schema import resolve_config
 from fedcluster.errors import ConfigError
-from fedcluster.overrides import run_slug
+from fedcluster.experiment.catalog import ALGORITHMS as DESCRIBED
+from fedcluster.experiment.catalog import sections
 from tests.helpers import digits_config
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedcluster"
@@ -48,8 +48,8 @@ def test_every_flag_an_error_message_suggests_exists():
     files = [
         *sorted((SRC / "data").glob("*.py")),
         SRC / "cli.py",
-        SRC / "config.py",
-        SRC / "overrides.py",
+        SRC / "config/schema.py",
+        SRC / "config/overrides.py",
         *sorted((SRC / "reporting").glob("*.py")),
     ]
     suggested = {

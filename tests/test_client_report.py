@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from fedcluster.client_results import CLIENT_COLUMNS, client_line, read_clients
+from fedcluster.experiment.client_results import CLIENT_COLUMNS, client_line, read_clients
 from fedcluster.reporting import clients
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import fedcluster
-from fedcluster.client_results import CLIENT_COLUMNS
 from fedcluster.engine.flat import ParamLayout
+from fedcluster.experiment.client_results import CLIENT_COLUMNS
 from fedcluster.reporting.document import build_sections
 from fedcluster.reporting.rundata import load_run
 from tests.helpers import rotated_digits

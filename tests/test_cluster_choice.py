@@ -15,14 +15,14 @@ from torch import nn
 
 import fedcluster
 from fedcluster.cli import main
-from fedcluster.cluster_choice import (
+from fedcluster.engine.flat import ParamLayout
+from fedcluster.errors import DataError
+from fedcluster.experiment.cluster_choice import (
     ClusterModels,
     DeviceData,
     read_device_data,
     summarise,
 )
-from fedcluster.engine.flat import ParamLayout
-from fedcluster.errors import DataError
 from fedcluster.reporting import write_report
 
 
@@ -110,7 +110,7 @@ def test_missing_foreign_and_oversized_files_are_refused(tmp_path, monkeypatch):
         read_device_data(text, (4,), 3)
     big = tmp_path / "big.npz"
     np.savez_compressed(big, x=np.zeros((4000, 4), np.float32))  # 64 kB inside, tiny on disk
-    monkeypatch.setattr("fedcluster.cluster_choice.MAX_DATA_BYTES", 10_000)
+    monkeypatch.setattr("fedcluster.experiment.cluster_choice.MAX_DATA_BYTES", 10_000)
     with pytest.raises(DataError, match="decompresses to more than 10,000 bytes"):
         read_device_data(big, (4,), 3)
 
@@ -135,8 +135,8 @@ ROTATED_DIGITS = [
 def test_cli_round_trip_on_a_finished_run(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", *ROTATED_DIGITS, "--out", str(out)]) == 0
-    from fedcluster.config import load_yaml, validate_config
-    from fedcluster.runner import build_federation_for
+    from fedcluster.config.schema import load_yaml, validate_config
+    from fedcluster.experiment.runner import build_federation_for
 
     fed = build_federation_for(validate_config(load_yaml(out / "config.yaml")), 0)
     client = int(np.flatnonzero(fed.groups == 1)[0])

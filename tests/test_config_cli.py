@@ -9,7 +9,7 @@ import pytest
 
 from fedcluster.algorithms import check_algorithms
 from fedcluster.cli import main
-from fedcluster.config import apply_set, list_presets, resolve_config, validate_config
+from fedcluster.config.schema import apply_set, list_presets, resolve_config, validate_config
 from fedcluster.errors import ConfigError
 from tests.helpers import TINY_RUN_SETS
 

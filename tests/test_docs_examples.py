@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster.algorithms import ALGORITHMS
-from fedcluster.callbacks import Callback
-from fedcluster.config import validate_config
-from fedcluster.engine.computation import COMPUTATIONS
-from fedcluster.runner import Experiment
+from fedcluster.config.schema import validate_config
+from fedcluster.experiment.callbacks import Callback
+from fedcluster.experiment.runner import Experiment
+from fedcluster.protocol.computation import COMPUTATIONS
 from tests.helpers import digits_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -55,10 +55,10 @@ def test_the_batched_computation_example_equals_its_one_client_form():
     import torch
 
     from fedcluster.algorithms.base import init_row
-    from fedcluster.engine.client_side import ClientContext
-    from fedcluster.engine.computation import Request
     from fedcluster.engine.simulator import Simulator
     from fedcluster.models import build_model
+    from fedcluster.protocol.client_side import ClientContext
+    from fedcluster.protocol.computation import Request
     from tests.helpers import rotated_digits
 
     block = next(b for b in _blocks() if "MODEL_LOSS = register_computation" in b)

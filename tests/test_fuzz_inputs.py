@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedcluster.cli import main
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.errors import ConfigError
 
 TINY: dict[str, Any] = {

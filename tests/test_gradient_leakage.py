@@ -2,7 +2,7 @@
 
 The captured upload is checked against torch.autograd's gradient of the one-image
 loss, and the differentiable trajectory the attacker matches against fedcluster's own
-(:func:`~fedcluster.engine.trajectory.gradient_trajectories`). Then the paper's claim:
+(:func:`~fedcluster.algorithms.cflgt_trajectory.gradient_trajectories`). Then the paper's claim:
 the whole gradient gives the image back, the classifier's gradient does not.
 """
 

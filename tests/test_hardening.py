@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster import safefiles
 from fedcluster.algorithms.base import init_row
 from fedcluster.cli import main
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.data.screen import screen_clients
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import DataError, FedclusterError
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.rundir import RunDirectory, load_checkpoint, save_checkpoint
-from fedcluster.runner import Experiment, Job, build_federation_for, model_for, resume
+from fedcluster.experiment import safefiles
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.rundir import RunDirectory, load_checkpoint, save_checkpoint
+from fedcluster.experiment.runner import Experiment, Job, build_federation_for, model_for, resume
+from fedcluster.protocol.batches import LocalTraining
 
 SETS = [
     "data.dataset=digits",
@@ -79,9 +79,9 @@ def test_a_second_run_with_the_same_out_never_touches_the_first(tmp_path, capsys
     out = tmp_path / "run"
     slow = textwrap.dedent(f"""
         import sys, time
-        from fedcluster.callbacks import Callback
-        from fedcluster.config import resolve_config
-        from fedcluster.runner import Experiment
+        from fedcluster.experiment.callbacks import Callback
+        from fedcluster.config.schema import resolve_config
+        from fedcluster.experiment.runner import Experiment
 
         class Slow(Callback):
             def on_round_end(self, job, rnd, row, state):
@@ -222,7 +222,7 @@ def test_a_tampered_checkpoint_tensor_is_refused_and_nothing_is_written(stopped,
 def test_checkpoint_digests_cover_each_stored_value():
     """The digest of each leaf changes with its dtype, shape or any one bit of its bytes,
     and a number stored beside the tensors is covered too."""
-    from fedcluster.tensor_digest import digests, first_mismatch
+    from fedcluster.experiment.tensor_digest import digests, first_mismatch
 
     weights = torch.arange(6, dtype=torch.float32)
     tree = {"state": {"w": weights, "k": 3}, "clusters": None}
@@ -402,15 +402,15 @@ def test_an_interrupt_during_start_up_is_one_line(tmp_path, capsys, monkeypatch,
     status 130, nothing written."""
     import signal
 
-    import fedcluster.config
+    import fedcluster.config.schema
 
     def interrupted(*args, **kwargs):
         if how == "ctrl-c":
             raise KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGTERM)
-        return fedcluster.config.validate_config({})
+        return fedcluster.config.schema.validate_config({})
 
-    monkeypatch.setattr(fedcluster.config, "resolve_config", interrupted)
+    monkeypatch.setattr(fedcluster.config.schema, "resolve_config", interrupted)
     assert main(["run", *ARGS, "--out", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert err == "fedcluster: interrupted\n", err

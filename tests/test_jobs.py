@@ -1,4 +1,4 @@
-"""Jobs in parallel (fedcluster.jobs): the run directory equals a sequential run's, and a
+"""Jobs in parallel (fedcluster.experiment.jobs): the run directory equals a sequential run's, and a
 parallel run stopped part-way resumes to the same tables."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from fedcluster.cli import main
-from fedcluster.config import dump_config, validate_config, with_execution
+from fedcluster.config.schema import dump_config, validate_config, with_execution
 from fedcluster.errors import ConfigError
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.runner import Experiment
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.runner import Experiment
 from tests.helpers import digits_config
 
 TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv", "clients.csv")
@@ -89,7 +89,7 @@ def test_execution_fields_stay_out_of_config_yaml():
 
 def test_parallel_jobs_refuse_objects_that_cannot_reach_a_worker(tmp_path):
     """A callback that cannot be pickled is refused in one line naming it."""
-    from fedcluster.callbacks import Callback
+    from fedcluster.experiment.callbacks import Callback
 
     class Local(Callback):  # defined in a function: pickle cannot name it
         pass

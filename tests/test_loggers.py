@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from fedcluster.callbacks import Callback
-from fedcluster.config import validate_config
-from fedcluster.runner import Experiment
+from fedcluster.config.schema import validate_config
+from fedcluster.experiment.callbacks import Callback
+from fedcluster.experiment.runner import Experiment
 from tests.helpers import digits_config
 
 _CONFIG = digits_config(
@@ -44,7 +44,7 @@ def test_tensorboard_logger_writes_the_metrics(tmp_path):
     pytest.importorskip("tensorboard", reason="optional extra fedcluster[tensorboard]")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fedcluster.loggers import TensorBoardLogger
+    from fedcluster.experiment.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(tmp_path / "tb")
     Experiment(validate_config(_CONFIG), callbacks=[logger]).run(tmp_path / "run", progress=False)

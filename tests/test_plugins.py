@@ -1,4 +1,4 @@
-"""Methods, partitions and datasets as plugins (fedcluster.plugins).
+"""Methods, partitions and datasets as plugins (fedcluster.config.plugins).
 
 Every plugin here lives outside ``src/``: a module written to ``tmp_path``, named
 from YAML by its import path, or a small installed package whose
@@ -19,11 +19,11 @@ import yaml
 from fedcluster.algorithms import ALGORITHMS
 from fedcluster.algorithms.base import Algorithm, algorithm_class, register
 from fedcluster.algorithms.fedavg import FedAvg
-from fedcluster.catalog import format_sections
 from fedcluster.cli import main
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
 from fedcluster.errors import ConfigError
-from fedcluster.runner import Experiment
+from fedcluster.experiment.catalog import format_sections
+from fedcluster.experiment.runner import Experiment
 from tests.helpers import digits_config
 
 # A server-momentum FedAvg (Hsu et al. 2019): with beta = 0 it is FedAvg exactly,

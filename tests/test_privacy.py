@@ -15,8 +15,13 @@ from opacus.accountants.utils import get_noise_multiplier
 
 from benchmarks.reproduction.dp_modes import BUDGET, FEDERATIONS
 from fedcluster.algorithms.base import init_row
-from fedcluster.config import resolve_config
-from fedcluster.dp import (
+from fedcluster.config.schema import resolve_config
+from fedcluster.engine.simulator import Simulator
+from fedcluster.errors import ConfigError
+from fedcluster.experiment.runner import Experiment
+from fedcluster.models import build_model
+from fedcluster.privacy.ledger import LocalDP, max_participations
+from fedcluster.privacy.mechanisms import (
     RecordDP,
     calibrate_noise,
     clip_rows,
@@ -24,12 +29,7 @@ from fedcluster.dp import (
     per_sample_gradients,
     release_uploads,
 )
-from fedcluster.engine.batches import LocalTraining, batch_plan
-from fedcluster.engine.simulator import Simulator
-from fedcluster.errors import ConfigError
-from fedcluster.models import build_model
-from fedcluster.privacy import LocalDP, max_participations
-from fedcluster.runner import Experiment
+from fedcluster.protocol.batches import LocalTraining, batch_plan
 from tests.helpers import assert_same_training, make_context, rotated_digits
 
 # The independent accountant calls below warn as Opacus does (q = 1, extreme σ in the search).

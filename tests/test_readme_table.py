@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 from fedcluster.cli import main
-from fedcluster.config import load_preset, load_yaml
-from fedcluster.metrics import cluster_columns
-from fedcluster.report import summary_rows
-from fedcluster.rundir import JobResult, job_summary
+from fedcluster.config.schema import load_preset, load_yaml
+from fedcluster.experiment.metrics import cluster_columns
+from fedcluster.experiment.rundir import JobResult, job_summary
+from fedcluster.experiment.summary import summary_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "quickstart"

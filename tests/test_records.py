@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 import fedcluster
-from fedcluster.config import load_yaml, resolve_config, validate_config
-from fedcluster.rebuild import federation_sha256
-from fedcluster.report import summary_rows
-from fedcluster.rundir import RunDirectory, config_digest, load_checkpoint
-from fedcluster.runner import Experiment, resume
+from fedcluster.config.schema import load_yaml, resolve_config, validate_config
+from fedcluster.experiment.rebuild import federation_sha256
+from fedcluster.experiment.rundir import RunDirectory, config_digest, load_checkpoint
+from fedcluster.experiment.runner import Experiment, resume
+from fedcluster.experiment.summary import summary_rows
 from tests.helpers import rotated_digits
 
 SETTINGS = {"rounds": 2, "train": {"lr": 0.1, "batch_size": 16}, "report": False}

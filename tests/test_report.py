@@ -237,8 +237,8 @@ def test_report_opens_in_headless_chromium(dynamic_run, tmp_path):
 
 
 def test_resume_ends_with_the_report(tmp_path, capsys):
-    from fedcluster.config import validate_config
-    from fedcluster.runner import Experiment
+    from fedcluster.config.schema import validate_config
+    from fedcluster.experiment.runner import Experiment
 
     out = tmp_path / "cut"
     config = validate_config({**_BASE, "name": "cut", "checkpoint_every": 1})

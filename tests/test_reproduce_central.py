@@ -1,14 +1,14 @@
 """DCFL's Table I under central DP (src/fedcluster/reproduce.py ``dcfl-table1-central``,
 docs/privacy.md): the settings it runs build the calibrated mechanism of
-:mod:`fedcluster.central_dp` on the ``dcfl-emnist-dynamic`` preset."""
+:mod:`fedcluster.privacy.central` on the ``dcfl-emnist-dynamic`` preset."""
 
 from __future__ import annotations
 
 import pytest
 
-from fedcluster.central_dp import CentralDP, calibrate_central, update_noise_multiplier
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.errors import ConfigError
+from fedcluster.privacy.central import CentralDP, calibrate_central, update_noise_multiplier
 from fedcluster.reproduce import CENTRAL_COMMON, CENTRAL_MODES
 
 N_CLIENTS = 25  # the preset's 20 clients and 5 newcomers

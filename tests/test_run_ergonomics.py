@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fedcluster
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.engine.device import resolve_device
 from fedcluster.errors import ConfigError, FedclusterError
-from fedcluster.rundir import RunDirectory, fresh_run_path
+from fedcluster.experiment.rundir import RunDirectory, fresh_run_path
 from tests.helpers import rotated_digits
 
 SETTINGS = {"rounds": 1, "train": {"lr": 0.1, "batch_size": 16}, "report": False}
@@ -100,6 +100,6 @@ def test_mps_where_it_is_missing_is_a_one_line_error(monkeypatch):
 def test_progress_bars_are_tqdm_auto_widgets_in_notebooks():
     import tqdm.auto
 
-    from fedcluster import rundir
+    from fedcluster.experiment import rundir
 
     assert rundir.tqdm is tqdm.auto.tqdm

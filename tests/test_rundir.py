@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.errors import FedclusterError
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.rundir import RunDirectory, load_checkpoint
-from fedcluster.runner import Experiment, resume
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.rundir import RunDirectory, load_checkpoint
+from fedcluster.experiment.runner import Experiment, resume
 
 SETS = [
     "rounds=4",
@@ -88,7 +88,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
     rundir = RunDirectory(out)
     code = (
         "import sys, time\n"
-        "from fedcluster.rundir import RunDirectory\n"
+        "from fedcluster.experiment.rundir import RunDirectory\n"
         f"with RunDirectory({str(out)!r}).claim():\n"
         "    print('locked', flush=True)\n"
         "    time.sleep(30)\n"

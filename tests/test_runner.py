@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcluster.config import resolve_config
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.runner import Experiment, resume, select_clients
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.runner import Experiment, resume, select_clients
 
 TINY = [
     "data.dataset=digits",

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-import fedcluster.runner as runner_module
+import fedcluster.experiment.runner as runner_module
 from fedcluster.algorithms import ALGORITHMS, algorithm_params
-from fedcluster.algorithms.channel import UpdateBound
-from fedcluster.config import ExperimentConfig, resolve_config, validate_config
+from fedcluster.config.schema import ExperimentConfig, resolve_config, validate_config
 from fedcluster.data.drift import DriftEvent, DriftReplay, apply_drift
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.rundir import load_checkpoint
-from fedcluster.runner import Experiment, resume
-from fedcluster.scenario import FaultyUploads, Scenario
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.rundir import load_checkpoint
+from fedcluster.experiment.runner import Experiment, resume
+from fedcluster.experiment.scenario import FaultyUploads, Scenario
+from fedcluster.protocol.channel import UpdateBound
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 MLP = {"name": "mlp", "options": {"hidden": [32]}}
@@ -405,7 +405,7 @@ def test_resume_with_joins_drift_and_failures_equals_uninterrupted_run(tmp_path)
 def test_honest_accuracy_pools_only_the_sound_clients():
     """The diagnostic the reliability table reads: correct / count over the sound clients."""
     from fedcluster.engine.results import EvalResult
-    from fedcluster.metrics import honest_accuracy
+    from fedcluster.experiment.metrics import honest_accuracy
 
     result = EvalResult(
         correct=np.array([8.0, 0.0, 30.0, 1.0]),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedcluster.algorithms.base import check_algorithms
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.reproduce import (
     CELLS,
     EXPERIMENTS,

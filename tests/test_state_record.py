@@ -11,10 +11,10 @@ import torch
 
 from fedcluster.algorithms.cluster_models import ClusterModelState
 from fedcluster.algorithms.dcfl import DCFLState
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.errors import FedclusterError
-from fedcluster.rundir import RunDirectory
-from fedcluster.runner import Experiment, resume
+from fedcluster.experiment.rundir import RunDirectory
+from fedcluster.experiment.runner import Experiment, resume
 
 SETS = [
     "rounds=3",

@@ -9,10 +9,10 @@ from torch import nn
 
 import fedcluster
 from fedcluster.algorithms.base import init_row
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError, DataError, FedclusterError
-from fedcluster.runner import Experiment
+from fedcluster.experiment.runner import Experiment
 from tests.helpers import rotated_digits
 
 

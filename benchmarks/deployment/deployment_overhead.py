@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import default_data_dir
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.runner import Experiment
 from fedcluster.reproduce import save_json
-from fedcluster.runner import Experiment
 
 TASK = re.compile(r"task \d+ \(([\w.]+)\): ([\d.]+) s")
 

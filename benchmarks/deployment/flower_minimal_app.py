@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 
 APP = '''"""A minimal hand-written Flower 1.42 app: FedAvg of an MLP over the nodes' clients."""
 

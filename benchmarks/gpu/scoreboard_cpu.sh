@@ -103,7 +103,7 @@ cores() {
 {
   echo "scoreboard_cpu.sh: $N jobs, cores $CORES, budget $BUDGET s, data $DATA"
   lscpu | grep -E "Model name|^CPU\(s\)" | sed 's/  */ /g'
-  $PYTHON -c "import torch, yaml, pydantic, fedcluster.runner; print('torch', torch.__version__)" \
+  $PYTHON -c "import torch, yaml, pydantic, fedcluster.experiment.runner; print('torch', torch.__version__)" \
     2>&1 | tail -1  # an ImportError here: every job will fail the same way
   uptime
 } | tee "$STATUS"

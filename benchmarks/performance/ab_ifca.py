@@ -34,10 +34,10 @@ import torch
 
 from benchmarks.performance.ab_round import FILES, load_revision
 from benchmarks.performance.bench_ifca import build
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 
 PARTS = ("choice", "train", "eval", "round")
 

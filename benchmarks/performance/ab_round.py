@@ -52,8 +52,8 @@ from benchmarks.performance.bench_round import (
     sim_round,
 )
 from fedcluster.algorithms.base import init_row
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
+from fedcluster.protocol.batches import LocalTraining
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = {

@@ -66,12 +66,12 @@ from benchmarks.performance.bench_round import (
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 
 N_CLIENTS, TRAIN_SIZE, TEST_SIZE, BATCH, LR, SEED = 16, 200, 20, 32, 0.05, 0
 WORKLOADS: dict[str, tuple[str, str, dict[str, Any]]] = {

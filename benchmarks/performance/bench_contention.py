@@ -43,8 +43,8 @@ from benchmarks.performance.bench_round import (
     sim_round,
 )
 from fedcluster.algorithms.base import init_row
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
+from fedcluster.protocol.batches import LocalTraining
 
 COMPETITOR = [sys.executable, "-c", "while True: pass"]
 

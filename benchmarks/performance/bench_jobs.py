@@ -4,7 +4,7 @@
 The quickstart preset's federation (24 rotated-MNIST clients of mnist5k, MLP
 784-200-100-10), ``fedcluster compare --algorithms fedavg,ifca --seeds 2`` (4 jobs)
 for ``--rounds`` rounds, run by the CLI once with one job at a time and once with
-``--jobs N`` (``fedcluster.jobs``: N worker processes with their share of the CPUs).
+``--jobs N`` (``fedcluster.experiment.jobs``: N worker processes with their share of the CPUs).
 Reports both wall times, their ratio, and whether ``metrics.csv``, ``clusters.csv``,
 ``events.csv`` and ``diagnostics.csv`` are equal but for the timing columns. Load
 matters on a shared machine: ``os.getloadavg()`` is recorded; ``--repeat`` interleaves
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from benchmarks.performance.bench_round import machine_info
 from fedcluster.cli import main as cli
-from fedcluster.metrics import TIMING_COLUMNS
+from fedcluster.experiment.metrics import TIMING_COLUMNS
 
 TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv")
 

@@ -78,12 +78,12 @@ from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.data.partitions import ClientTestSpec, cluster_table
 from fedcluster.data.sources import ENV_DATA, load_dataset
-from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining, batch_plan
 from fedcluster.rng import numpy_rng
 
 REPO = Path(__file__).resolve().parents[2]

@@ -47,11 +47,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import save_run
-from fedcluster.callbacks import Callback, JobInfo
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.data.federation import Federation
+from fedcluster.experiment.callbacks import Callback, JobInfo
+from fedcluster.experiment.runner import Experiment
 from fedcluster.rng import numpy_rng
-from fedcluster.runner import Experiment
 
 ALGORITHMS = {
     "fedavg": {"name": "fedavg"},
@@ -82,7 +82,7 @@ STEPS = {
         ],
     },
     # every algorithm averages through the run's Aggregator, which calls this function
-    "aggregation": {"fedcluster.engine.robust": ["aggregate"]},
+    "aggregation": {"fedcluster.algorithms.robust": ["aggregate"]},
 }
 N_GROUPS, N_CLASSES, TEST_SIZE = 4, 10, 10
 

@@ -8,7 +8,7 @@ full-batch steps; Ghosh et al. 2020), run as the runner runs it: IFCA's
 the per-cluster average) and its evaluation, through a backend:
 
 - ``1 process``: the batched simulator, ``--threads`` torch threads (default: all CPUs);
-- ``N workers``: ``backend: distributed`` (fedcluster.engine.distributed), the clients
+- ``N workers``: ``backend: distributed`` (fedcluster.experiment.distributed), the clients
   sharded over N worker processes on this machine (gloo over 127.0.0.1), each with
   its share of the CPUs; the driver keeps the algorithm and the channel.
 
@@ -47,11 +47,11 @@ from benchmarks.performance.bench_ifca import build
 from benchmarks.performance.bench_round import default_data_dir, machine_info
 from fedcluster.algorithms import algorithm_class, algorithm_params
 from fedcluster.algorithms.base import Context, init_row
-from fedcluster.engine.backend import Backend
-from fedcluster.engine.batches import LocalTraining
-from fedcluster.engine.distributed import DistributedFactory
+from fedcluster.experiment.distributed import DistributedFactory
+from fedcluster.experiment.runner import simulator_for
 from fedcluster.models import build_model
-from fedcluster.runner import simulator_for
+from fedcluster.protocol.backend import Backend
+from fedcluster.protocol.batches import LocalTraining
 
 
 class Rounds:

@@ -7,7 +7,7 @@ client, but with the same data access as the plain loop of
 - ``client_app`` (a :class:`flwr.clientapp.ClientApp`): loads the global
   parameters into an ``nn.Module``, trains one epoch with batches by index
   slicing over the client's samples (the batch plan of
-  :func:`fedcluster.engine.batches.batch_plan`, so the batches equal the
+  :func:`fedcluster.protocol.batches.batch_plan`, so the batches equal the
   simulator's), ``torch.optim.SGD``, no DataLoader, and replies with the new
   ``state_dict`` and ``num-examples``.
 - :class:`TimedFedAvg`: :class:`flwr.serverapp.strategy.FedAvg` that records
@@ -35,8 +35,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining, batch_plan
 
 _CACHE: dict[str, Any] = {}
 

@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcluster.cluster_choice import FinishedRun, summarise
-from fedcluster.config import load_yaml, validate_config
+from fedcluster.config.schema import load_yaml, validate_config
 from fedcluster.data.sources import load_dataset
 from fedcluster.data.transforms import rotate_images
-from fedcluster.report import format_table
+from fedcluster.experiment.cluster_choice import FinishedRun, summarise
+from fedcluster.experiment.runner import build_federation_for
+from fedcluster.experiment.summary import format_table
 from fedcluster.reporting.rundata import load_run
 from fedcluster.rng import numpy_rng
-from fedcluster.runner import build_federation_for
 
 
 def group_angles(run: Path, seed: int) -> list[float]:

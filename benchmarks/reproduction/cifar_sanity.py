@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import add_device_argument, default_data_dir, synchronize
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.data.sources import load_dataset
 from fedcluster.data.transforms import AUGMENTATIONS, NORMALISATIONS, random_crop_flip
 from fedcluster.engine.device import resolve_device

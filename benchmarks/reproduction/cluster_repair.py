@@ -32,7 +32,7 @@ import csv
 from pathlib import Path
 
 from benchmarks.common import REPO, parser
-from fedcluster.report import format_table
+from fedcluster.experiment.summary import format_table
 from fedcluster.reproduce import mean_std, run_setting, save_json
 
 MAIN_JOB = str(REPO / "tests" / "golden" / "configs" / "main-job.yaml")

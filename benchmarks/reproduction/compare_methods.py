@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 
 from benchmarks.common import parser
-from fedcluster.report import format_table
+from fedcluster.experiment.summary import format_table
 from fedcluster.reproduce import mean_std, run_setting, save_json
 
 PRESET = "compare-cfl"
@@ -59,7 +59,7 @@ def run(
     settings: list[str], seeds: int, out: Path, data_dir: str, rounds: int | None = None
 ) -> list[dict]:
     """Every setting's jobs (summaries with their metric rows dropped), FedEM-lr×4 too."""
-    from fedcluster.config import resolve_config
+    from fedcluster.config.schema import resolve_config
 
     lr = resolve_config(None, PRESET, [], {}).train.lr
     jobs = []

@@ -46,12 +46,12 @@ import torch
 
 from benchmarks.common import parser
 from fedcluster.algorithms.base import init_row
-from fedcluster.config import resolve_config
-from fedcluster.engine.batches import LocalTraining
-from fedcluster.privacy import LocalDP
-from fedcluster.report import format_table
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.runner import build_federation_for, model_for, simulator_for
+from fedcluster.experiment.summary import format_table
+from fedcluster.privacy.ledger import LocalDP
+from fedcluster.protocol.batches import LocalTraining
 from fedcluster.reproduce import run_setting, save_json
-from fedcluster.runner import build_federation_for, model_for, simulator_for
 
 EPSILONS = (1.0, 3.0, 10.0, 30.0)
 ALGORITHMS = {

@@ -17,7 +17,7 @@ the attacker captures (``SETTINGS``):
   softmax, ``∂L/∂W_c = Σ_i (P_ic − [y_i = c]) v_i = Z2_c − Z1_c`` (eq. 6;
   the paper's "worst case", Fig. 9 bottom);
 - ``trajectory``: what CFLGT uploads, the 2·C averages ``(Z1'_c, Z2'_c)``
-  of eq. 8 (:func:`fedcluster.engine.trajectory.gradient_trajectories`). For
+  of eq. 8 (:func:`fedcluster.algorithms.cflgt_trajectory.gradient_trajectories`). For
   one image they are the row means of the classifier gradient, split by the
   label: ``Z1'_y = −mean(∂L/∂W_y)``, ``Z2'_c = mean(∂L/∂W_c)`` for ``c ≠ y``.
 
@@ -58,13 +58,13 @@ from torch import nn
 
 from benchmarks.common import default_data_dir
 from fedcluster.algorithms.base import init_row
+from fedcluster.algorithms.cflgt_trajectory import classifier_layer, gradient_trajectories
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
-from fedcluster.engine.batches import LocalTraining
-from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.simulator import Simulator
-from fedcluster.engine.trajectory import classifier_layer, gradient_trajectories
 from fedcluster.models import dnn, mlp
+from fedcluster.protocol.batches import LocalTraining
+from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.rng import torch_rng
 
 SETTINGS = ("whole", "classifier", "trajectory")

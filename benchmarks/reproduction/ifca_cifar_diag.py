@@ -33,11 +33,11 @@ import torch
 
 from benchmarks.common import default_data_dir
 from fedcluster.algorithms.base import RoundOutput
-from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.cluster_models import ClusterModelAlgorithm, ClusterModelState
 from fedcluster.algorithms.ifca import IFCA
-from fedcluster.config import resolve_config
-from fedcluster.runner import Experiment
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.runner import Experiment
+from fedcluster.protocol.channel import Replies
 
 
 class ChoiceLog:

@@ -30,9 +30,9 @@ from torch import nn
 
 from fedcluster.algorithms.repair import separation
 from fedcluster.clustering.methods import bipartition
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.runner import build_federation_for
 from fedcluster.models import build_model
-from fedcluster.runner import build_federation_for
 
 
 def label_overlap(y: np.ndarray, groups: np.ndarray, n_classes: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import parser
-from fedcluster.report import format_table
+from fedcluster.experiment.summary import format_table
 from fedcluster.reproduce import mean_std, run_setting, save_json
 
 ALGORITHMS = (

@@ -6,7 +6,7 @@ setting), for FedAvg, IFCA, JGL, DCFL and FedGroup under each aggregation
 rule; the honest clients' final accuracy (``honest_accuracy``, mean over
 seeds) beside the fault-free run over the same clients
 (:func:`benchmarks.robustness.reliability.baseline`). The attacks
-(:mod:`fedcluster.scenario`):
+(:mod:`fedcluster.experiment.scenario`):
 
 - ``x10-25``: updates boosted ×10 (``scaled``);
 - ``flip-25``: sign-flipped updates (``sign_flip``);

@@ -803,14 +803,15 @@ def verify_cases() -> list[Case]:
 def race_cases() -> list[Case]:
     def during(d: Path) -> int:
         code = (
-            "import time\nfrom fedcluster.callbacks import Callback\n"
-            "from fedcluster.cli import main\nimport fedcluster.rundir as r\n"
+            "import time\nfrom fedcluster.experiment.callbacks import Callback\n"
+            "from fedcluster.cli import main\nimport fedcluster.experiment.rundir as r\n"
             "class Slow(Callback):\n"
             "    def on_round_end(self, job, rnd, row, state):\n"
             "        if rnd == 1: open('started', 'w').close(); time.sleep(2)\n"
             "orig = r.run_directory_callbacks\n"
             "r.run_directory_callbacks = lambda *a: orig(*a) + [Slow()]\n"
-            "import fedcluster.runner as R; R.run_directory_callbacks = r.run_directory_callbacks\n"
+            "import fedcluster.experiment.runner as R\n"
+            "R.run_directory_callbacks = r.run_directory_callbacks\n"
             f"raise SystemExit(main(['run', *{TINY!r}, '--out', 'run']))\n"
         )
         first = subprocess.Popen([sys.executable, "-c", code], cwd=d, stderr=subprocess.DEVNULL)
@@ -934,7 +935,7 @@ def disk_full_cases(mount: bool) -> list[Case]:
 
 def _inject_enospc(under: Path, budget: int | None) -> None:
     """Without a tmpfs: writes of the run directory fail with ENOSPC past ``budget`` bytes."""
-    from fedcluster import safefiles
+    from fedcluster.experiment import safefiles
 
     real = getattr(safefiles, "_real_write_all", safefiles._write_all)
     safefiles._real_write_all = real
@@ -1050,13 +1051,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import fedcluster.runner  # noqa: F401 -- imported once here, before the forks
+    import fedcluster.experiment.runner  # noqa: F401 -- imported once here, before the forks
 
     for name, stop in (("full", None), ("stopped", 2)):
         cmd = ["run", *TINY, "--out", str(out / name)]
         if stop is not None:
-            from fedcluster.config import resolve_config
-            from fedcluster.runner import Experiment
+            from fedcluster.config.schema import resolve_config
+            from fedcluster.experiment.runner import Experiment
 
             sets = [a for a in TINY[2:] if a != "--set"]
             Experiment(resolve_config(None, None, sets)).run(

@@ -2,10 +2,10 @@
 
 The main job's federation (the quickstart preset: 5,000 MNIST digits, 24
 clients in 4 rotation groups, MLP 200-100), with a share of faulty clients
-whose uploads are corrupted (:class:`fedcluster.scenario.FaultyUploads`), for
+whose uploads are corrupted (:class:`fedcluster.experiment.scenario.FaultyUploads`), for
 FedAvg, IFCA, JGL, CFLGT, DCFL and FedGroup, under the plain weighted average
 (``aggregation.rule: mean``, the papers' rule) and the robust rules
-(:mod:`fedcluster.engine.robust`). Reports the final test accuracy of the
+(:mod:`fedcluster.algorithms.robust`). Reports the final test accuracy of the
 sound clients (``honest_accuracy`` in diagnostics.csv; mean over seeds) per
 algorithm, setting and rule, beside the fault-free run over the same clients.
 
@@ -27,8 +27,8 @@ from typing import get_args
 import numpy as np
 
 from benchmarks.common import parser
-from fedcluster.config import AggregationConfig, AggregationRule
-from fedcluster.report import format_table
+from fedcluster.config.schema import AggregationConfig, AggregationRule
+from fedcluster.experiment.summary import format_table
 from fedcluster.reproduce import run_setting, save_json
 
 # name -> scenario.faulty section (share of the 24 clients and their faults)
@@ -47,7 +47,7 @@ def baseline(share: float) -> str:
 
     Its "faulty" clients send their honest update ×1, so the run is the plain
     one (to float rounding) and its ``honest_accuracy`` covers exactly the
-    clients the setting leaves sound (:func:`fedcluster.scenario.faulty_clients`
+    clients the setting leaves sound (:func:`fedcluster.experiment.scenario.faulty_clients`
     draws them from one permutation per seed).
     """
     return f"none-{round(100 * share)}"

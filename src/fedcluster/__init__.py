@@ -1,14 +1,14 @@
 """fedcluster: clustered federated learning -- JGL, CFLGT, DCFL, FedGroup and baselines.
 
 The names below are imported lazily, on first use: ``import fedcluster`` (and
-``import fedcluster.config``) loads no torch, and importing the package changes
+``import fedcluster.config.schema``) loads no torch, and importing the package changes
 nothing in the process (no environment variable, no matplotlib backend, no
 thread count; the command-line entry point sets OpenMP's wait policy itself,
 :mod:`fedcluster.openmp`).
 
 - :func:`run`, :func:`resume`, :class:`RunResult`: the Python API (:mod:`fedcluster.api`);
   :func:`assign`: a finished run's cluster model for a new device's data, with or
-  without labels (:mod:`fedcluster.cluster_choice`); :func:`sweep`, :class:`SweepResult`:
+  without labels (:mod:`fedcluster.experiment.cluster_choice`); :func:`sweep`, :class:`SweepResult`:
   one run per setting of any config fields, with confidence intervals over seeds and
   paired tests between methods (:mod:`fedcluster.sweeps`);
 - :class:`Federation` (``Federation.from_clients``), :class:`Experiment`, :class:`Callback`;
@@ -36,17 +36,17 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "assign": ("fedcluster.api", "assign"),
     "sweep": ("fedcluster.sweeps", "sweep"),
     "SweepResult": ("fedcluster.sweeps", "SweepResult"),
-    "Experiment": ("fedcluster.runner", "Experiment"),
+    "Experiment": ("fedcluster.experiment.runner", "Experiment"),
     "Federation": ("fedcluster.data.federation", "Federation"),
-    "Callback": ("fedcluster.callbacks", "Callback"),
+    "Callback": ("fedcluster.experiment.callbacks", "Callback"),
     "write_report": ("fedcluster.reporting", "write_report"),
-    "ExperimentConfig": ("fedcluster.config", "ExperimentConfig"),
-    "TrainConfig": ("fedcluster.config", "TrainConfig"),
-    "ParticipationConfig": ("fedcluster.config", "ParticipationConfig"),
-    "PrivacyConfig": ("fedcluster.config", "PrivacyConfig"),
-    "ScenarioConfig": ("fedcluster.config", "ScenarioConfig"),
-    "AggregationConfig": ("fedcluster.config", "AggregationConfig"),
-    "EvaluationConfig": ("fedcluster.config", "EvaluationConfig"),
+    "ExperimentConfig": ("fedcluster.config.schema", "ExperimentConfig"),
+    "TrainConfig": ("fedcluster.config.schema", "TrainConfig"),
+    "ParticipationConfig": ("fedcluster.config.schema", "ParticipationConfig"),
+    "PrivacyConfig": ("fedcluster.config.schema", "PrivacyConfig"),
+    "ScenarioConfig": ("fedcluster.config.schema", "ScenarioConfig"),
+    "AggregationConfig": ("fedcluster.config.schema", "AggregationConfig"),
+    "EvaluationConfig": ("fedcluster.config.schema", "EvaluationConfig"),
     "FedAvg": ("fedcluster.algorithms.fedavg", "FedAvgParams"),
     "FedProx": ("fedcluster.algorithms.fedavg", "FedProxParams"),
     "FedAvgFT": ("fedcluster.algorithms.fedavg", "FedAvgFTParams"),
@@ -69,12 +69,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Exchange": ("fedcluster.algorithms.base", "Exchange"),
     "weighted_loss": ("fedcluster.algorithms.base", "weighted_loss"),
     "weighted_average": ("fedcluster.engine.flat", "weighted_average"),
-    "ClientComputation": ("fedcluster.engine.computation", "ClientComputation"),
-    "ClientContext": ("fedcluster.engine.client_side", "ClientContext"),
-    "ClientBatch": ("fedcluster.engine.client_side", "ClientBatch"),
-    "Request": ("fedcluster.engine.computation", "Request"),
-    "ReplyField": ("fedcluster.engine.computation", "ReplyField"),
-    "register_computation": ("fedcluster.engine.computation", "register_computation"),
+    "ClientComputation": ("fedcluster.protocol.computation", "ClientComputation"),
+    "ClientContext": ("fedcluster.protocol.client_side", "ClientContext"),
+    "ClientBatch": ("fedcluster.protocol.client_side", "ClientBatch"),
+    "Request": ("fedcluster.protocol.computation", "Request"),
+    "ReplyField": ("fedcluster.protocol.computation", "ReplyField"),
+    "register_computation": ("fedcluster.protocol.computation", "register_computation"),
 }
 
 __all__ = [
@@ -169,8 +169,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from fedcluster.algorithms.jgl import JGLParams as JGL
     from fedcluster.algorithms.local import LocalParams as Local
     from fedcluster.api import RunResult, assign, resume, run
-    from fedcluster.callbacks import Callback
-    from fedcluster.config import (
+    from fedcluster.config.schema import (
         AggregationConfig,
         EvaluationConfig,
         ExperimentConfig,
@@ -180,14 +179,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         TrainConfig,
     )
     from fedcluster.data.federation import Federation
-    from fedcluster.engine.client_side import ClientBatch, ClientContext
-    from fedcluster.engine.computation import (
+    from fedcluster.engine.flat import weighted_average
+    from fedcluster.experiment.callbacks import Callback
+    from fedcluster.experiment.runner import Experiment
+    from fedcluster.protocol.client_side import ClientBatch, ClientContext
+    from fedcluster.protocol.computation import (
         ClientComputation,
         ReplyField,
         Request,
         register_computation,
     )
-    from fedcluster.engine.flat import weighted_average
     from fedcluster.reporting import write_report
-    from fedcluster.runner import Experiment
     from fedcluster.sweeps import SweepResult, sweep

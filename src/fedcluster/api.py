@@ -19,7 +19,7 @@ The parameter objects (``IFCA``, ``FedGroup``, ...) are the pydantic
 so both routes accept and reject the same values. The run directory is the
 CLI's (``config.yaml``, ``metrics.csv``, ..., ``report.html``), and its
 ``config.yaml`` records how to rebuild the model and data
-(:mod:`fedcluster.rebuild`), so ``fedcluster resume`` continues a killed run
+(:mod:`fedcluster.experiment.rebuild`), so ``fedcluster resume`` continues a killed run
 where it can, and says in one line how to resume from Python where it cannot.
 """
 
@@ -39,10 +39,8 @@ from pydantic import BaseModel
 from torch import nn
 
 from fedcluster.algorithms import ALGORITHMS, Algorithm, AlgorithmParams
-from fedcluster.callbacks import Callback
-from fedcluster.client_results import read_clients
-from fedcluster.cluster_choice import Assignment, DeviceData, FinishedRun
-from fedcluster.config import (
+from fedcluster.config.plugins import import_object
+from fedcluster.config.schema import (
     AlgorithmSpec,
     ExperimentConfig,
     deep_merge,
@@ -52,10 +50,12 @@ from fedcluster.config import (
 from fedcluster.data.federation import Federation
 from fedcluster.engine.modes import LossFn
 from fedcluster.errors import ConfigError
-from fedcluster.plugins import import_object
-from fedcluster.rundir import fresh_run_path
-from fedcluster.runner import Experiment
-from fedcluster.runner import resume as _resume
+from fedcluster.experiment.callbacks import Callback
+from fedcluster.experiment.client_results import read_clients
+from fedcluster.experiment.cluster_choice import Assignment, DeviceData, FinishedRun
+from fedcluster.experiment.rundir import fresh_run_path
+from fedcluster.experiment.runner import Experiment
+from fedcluster.experiment.runner import resume as _resume
 
 AlgorithmLike = (
     AlgorithmParams
@@ -272,7 +272,7 @@ def run(
         train: local training, a :class:`TrainConfig` (``Train``) or a mapping of its fields.
         config: any other config fields (:class:`ExperimentConfig` or a mapping, e.g.
             ``{"participation": {"fraction": 0.5}}``); the arguments above override it.
-        callbacks: :class:`~fedcluster.callbacks.Callback` objects (return True from
+        callbacks: :class:`~fedcluster.experiment.callbacks.Callback` objects (return True from
             ``on_round_end`` to stop a job).
         report: write ``report.html`` and ``report.md`` as the CLI does.
         progress: progress bars.
@@ -281,7 +281,7 @@ def run(
             cross-entropy (recorded by import path where it has one; or name it in
             ``train={"loss": "package.module:function"}``).
         jobs: run the (algorithm, seed) jobs over this many local worker processes
-            (:mod:`fedcluster.jobs`; the objects and callbacks passed must pickle).
+            (:mod:`fedcluster.experiment.jobs`; the objects and callbacks passed must pickle).
 
     Returns:
         The run directory read back (:class:`RunResult`).
@@ -326,7 +326,7 @@ def resume(
     (their hashes are checked against ``config.yaml``) when it was started with objects,
     and the ``loss`` function when it was passed and cannot be imported by path.
     ``trust`` imports the code its config names even where no checkpoint vouches for it
-    (:func:`fedcluster.rundir.check_resumable`); ``jobs`` as for :func:`run`."""
+    (:func:`fedcluster.experiment.rundir.check_resumable`); ``jobs`` as for :func:`run`."""
     _resume(
         run_dir,
         progress=progress,
@@ -360,13 +360,15 @@ def assign(
     loss: LossFn | None = None,
 ) -> list[Assignment]:
     """Which cluster model of the finished run ``run_dir`` a device should use for ``data``
-    (:mod:`fedcluster.cluster_choice`): one :class:`~fedcluster.cluster_choice.Assignment`
+    (:mod:`fedcluster.experiment.cluster_choice`): one
+    :class:`~fedcluster.experiment.cluster_choice.Assignment`
     per job, with each rule's choice (``entropy`` and ``confidence`` without labels;
     ``loss`` too when there are labels) and every candidate's scores.
 
     Args:
         data: a ``.npz`` file (``x`` [N, *input shape], optionally ``y`` and ``group``),
-            a :class:`~fedcluster.cluster_choice.DeviceData`, or the samples as an array or tensor.
+            a :class:`~fedcluster.experiment.cluster_choice.DeviceData`, or the samples as an array
+            or tensor.
         labels: the samples' labels, with an array ``data`` (for the labelled choice).
         algorithms, seeds: only these jobs (labels as in ``metrics.csv``); default all.
         record: append the choices to the run's ``assign.csv`` (``fedcluster report``).

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedcluster import __version__
+from fedcluster.config.limits import check_path
 from fedcluster.errors import FedclusterError
-from fedcluster.limits import check_path
 from fedcluster.openmp import prefer_passive_wait
 
 if TYPE_CHECKING:
-    from fedcluster.config import ExperimentConfig
+    from fedcluster.config.schema import ExperimentConfig
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -293,10 +293,10 @@ def _algorithm_names(args: argparse.Namespace) -> list[str] | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedcluster.config import resolve_config
-    from fedcluster.overrides import run_slug
-    from fedcluster.rundir import fresh_run_path
-    from fedcluster.runner import Experiment
+    from fedcluster.config.overrides import run_slug
+    from fedcluster.config.schema import resolve_config
+    from fedcluster.experiment.rundir import fresh_run_path
+    from fedcluster.experiment.runner import Experiment
     from fedcluster.sweeps import axes_of, needs_runs
 
     if needs_runs(axes_of(args.sweeps), args.trials):
@@ -328,7 +328,9 @@ def _run(args: argparse.Namespace) -> int:
             _run_flower(config, out, progress=not args.quiet)
         else:
             Experiment(config, callbacks=callbacks).run(out, progress=not args.quiet)
-    _print_summary(out)
+    from fedcluster.experiment.summary import print_summary
+
+    print_summary(out)
     if args.sweeps and len(config.seeds) > 1:  # the swept entries, compared over seeds
         from fedcluster.sweeps import collect, format_summary
 
@@ -341,9 +343,9 @@ def _run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     """``--sweep`` over fields other than an algorithm's parameters: one run per setting
     (:mod:`fedcluster.sweeps`), then the table of means with confidence intervals."""
-    from fedcluster.config import resolve_config
-    from fedcluster.overrides import run_slug
-    from fedcluster.runner import Experiment
+    from fedcluster.config.overrides import run_slug
+    from fedcluster.config.schema import resolve_config
+    from fedcluster.experiment.runner import Experiment
     from fedcluster.sweeps import axes_of, run_sweep
 
     if getattr(args, "backend", "simulator") == "flower":
@@ -383,7 +385,7 @@ def _sweep(args: argparse.Namespace) -> int:
 def _serves() -> bool:
     """Under torchrun, serve as a distributed worker on every rank but 0 (the driver);
     True when this process was one (it has served and the run is over)."""
-    from fedcluster.engine.distributed import serve, torchrun_rank
+    from fedcluster.experiment.distributed import serve, torchrun_rank
 
     if torchrun_rank() in (None, 0):
         return False
@@ -422,7 +424,7 @@ def _stops_are_resumable(out: Path) -> Iterator[None]:
 def _callbacks(args: argparse.Namespace) -> list:
     if not args.tensorboard:
         return []
-    from fedcluster.loggers import TensorBoardLogger
+    from fedcluster.experiment.loggers import TensorBoardLogger
 
     where = check_path(args.tensorboard, "--tensorboard")
     if where.exists() and not where.is_dir():
@@ -452,7 +454,7 @@ def _run_flower(config: ExperimentConfig, out: Path, progress: bool) -> None:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from fedcluster.runner import resume
+    from fedcluster.experiment.runner import resume
 
     if not (Path(args.dir) / "config.yaml").exists():
         raise FedclusterError(f"{args.dir} is not a run directory (no config.yaml)")
@@ -467,24 +469,17 @@ def _resume(args: argparse.Namespace) -> int:
             trust=args.trust,
             execution=_execution(args),
         )
-    _print_summary(Path(args.dir))
+    from fedcluster.experiment.summary import print_summary
+
+    print_summary(Path(args.dir))
     _report(args, Path(args.dir))
     return 0
-
-
-def _print_summary(out: Path) -> None:
-    print()
-    print((out / "summary.md").read_text(), end="")
-    print(
-        f"\nmetrics: {out / 'metrics.csv'}   clusters: {out / 'clusters.csv'}   "
-        f"clients: {out / 'clients.csv'}"
-    )
 
 
 def _assign(args: argparse.Namespace) -> int:
     import json
 
-    from fedcluster.cluster_choice import FinishedRun, format_assignments
+    from fedcluster.experiment.cluster_choice import FinishedRun, format_assignments
 
     seeds = None if args.seed is None else [args.seed]
     run = FinishedRun.load(args.run, _algorithm_names(args), seeds, trust=args.trust)
@@ -499,14 +494,14 @@ def _assign(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from fedcluster.catalog import format_sections
+    from fedcluster.experiment.catalog import format_sections
 
     print(format_sections(args.section))
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    from fedcluster.config import dump_config, resolve_config
+    from fedcluster.config.schema import dump_config, resolve_config
 
     print(dump_config(resolve_config(None, args.preset, args.sets)), end="")
     return 0

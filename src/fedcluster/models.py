@@ -25,7 +25,7 @@
 
 Any other model is an import path ``"package.module:factory"`` whose factory
 takes ``(input_shape, n_classes, **options)`` and returns an ``nn.Module``; in
-Python, pass the module itself to :class:`fedcluster.runner.Experiment`.
+Python, pass the module itself to :class:`fedcluster.experiment.runner.Experiment`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from fedcluster.config.plugins import import_object, is_import_path
 from fedcluster.errors import ConfigError
 from fedcluster.memory import allowed_bytes, physical_bytes
-from fedcluster.plugins import import_object, is_import_path
 
 InputShape = tuple[int, ...]
 

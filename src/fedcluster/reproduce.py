@@ -46,10 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster.config import resolve_config
-from fedcluster.report import format_table
-from fedcluster.rundir import job_summary
-from fedcluster.runner import Experiment
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.rundir import job_summary
+from fedcluster.experiment.runner import Experiment
+from fedcluster.experiment.summary import format_table
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@
   built from scratch (``<out>/settings/<i>-<values>``; each run builds its
   federation per seed as a plain run does). An algorithm's parameter with a
   list of values stays within each run, as labelled entries (``jgl(lam=0.1)``,
-  :func:`fedcluster.overrides.apply_sweeps`), so those are compared on the same
+  :func:`fedcluster.config.overrides.apply_sweeps`), so those are compared on the same
   federations as methods;
 - **random search**: ``--sweep 'train.lr=loguniform(1e-3,1e-1)' --trials 8``
   draws ``trials`` settings, every swept field at random: ``uniform(a,b)``,
@@ -43,12 +43,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedcluster import safefiles, safeyaml
-from fedcluster.callbacks import Callback
-from fedcluster.config import ExperimentConfig, apply_set, load_yaml, validate_config
+from fedcluster.config import safeyaml
+from fedcluster.config.overrides import apply_sweeps, parse_values, run_slug, value_text
+from fedcluster.config.schema import ExperimentConfig, apply_set, load_yaml, validate_config
 from fedcluster.errors import ConfigError
-from fedcluster.overrides import apply_sweeps, parse_values, run_slug, value_text
-from fedcluster.report import format_table
+from fedcluster.experiment import safefiles
+from fedcluster.experiment.callbacks import Callback
+from fedcluster.experiment.summary import format_table
 from fedcluster.stats import mean_ci, paired_test
 
 if TYPE_CHECKING:
@@ -374,7 +375,7 @@ def _raw(config: ExperimentConfig | Mapping[str, Any] | str | Path) -> dict[str,
 
 def check_metric(metric: str) -> None:
     """A one-line error unless ``metric`` is a per-job column of a run's ``summary.json``."""
-    from fedcluster.rundir import JobResult, job_summary
+    from fedcluster.experiment.rundir import JobResult, job_summary
 
     known = [k for k in job_summary(JobResult("", 0, [], 0.0)) if k not in ("algorithm", "seed")]
     if metric not in known:
@@ -470,7 +471,7 @@ def sweep(
     """
     from datetime import datetime
 
-    from fedcluster.runner import Experiment
+    from fedcluster.experiment.runner import Experiment
 
     raw = _raw(config)
     axes = axes_of(space)

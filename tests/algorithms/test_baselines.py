@@ -8,8 +8,8 @@ import torch
 from fedcluster.algorithms.base import weighted_loss
 from fedcluster.algorithms.fedavg import FedAvg, FedAvgFT, FedProx, fedavg_step
 from fedcluster.algorithms.local import LocalOnly
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import weighted_average
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 

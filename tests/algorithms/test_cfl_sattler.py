@@ -10,7 +10,7 @@ from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_av
 from fedcluster.algorithms.base import RoundOutput
 from fedcluster.algorithms.cfl import CFL, CFLState
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 N_GROUPS = 4

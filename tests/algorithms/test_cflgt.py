@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from fedcluster.algorithms.cflgt import CFLGT, CFLGTState
-from fedcluster.algorithms.channel import Traffic
+from fedcluster.algorithms.cflgt_trajectory import gradient_trajectories
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import Split
-from fedcluster.engine.client_side import ClientBatch
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.simulator import Simulator
-from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.errors import ConfigError
+from fedcluster.protocol.channel import Traffic
+from fedcluster.protocol.client_side import ClientBatch
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 
 # Scenario 1 of CFLGT Sec. V-A: 5 label pairs (two of them share a label).

@@ -3,7 +3,7 @@
 For each client computation (training, the K-model losses, JGL's gradient
 products, CFLGT's trajectory, evaluation) one client fails, one replies with
 NaN and one with an oversized payload, through the same per-client assembly
-the Flower backend uses (:func:`fedcluster.engine.computation.assemble`).
+the Flower backend uses (:func:`fedcluster.protocol.computation.assemble`).
 The channel must log and count them, never hand them to the algorithm, and
 count bytes from the payloads.
 """
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from fedcluster.algorithms.cflgt import TRAJECTORY
-from fedcluster.algorithms.channel import INT_BYTES, Channel
 from fedcluster.algorithms.jgl import GRADIENT_PRODUCTS
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.client_computations import EVALUATE, LOSSES, TRAIN
-from fedcluster.engine.computation import ClientComputation, Request, Returned, assemble
-from fedcluster.privacy import LocalDP
+from fedcluster.privacy.ledger import LocalDP
+from fedcluster.protocol.batches import LocalTraining
+from fedcluster.protocol.channel import INT_BYTES, Channel
+from fedcluster.protocol.computation import ClientComputation, Request, Returned, assemble
 from tests.helpers import FLOAT_BYTES, make_context, rotated_digits
 
 FAILING, NAN, OVERSIZED = 1, 2, 4

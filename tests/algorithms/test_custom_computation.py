@@ -31,17 +31,17 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
-from fedcluster.config import validate_config
-from fedcluster.engine.client_side import ClientBatch, ClientContext
-from fedcluster.engine.computation import (
+from fedcluster.config.schema import validate_config
+from fedcluster.engine.flat import weighted_average
+from fedcluster.experiment.runner import Experiment
+from fedcluster.protocol.client_side import ClientBatch, ClientContext
+from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
     ReplyField,
     Request,
     register_computation,
 )
-from fedcluster.engine.flat import weighted_average
-from fedcluster.runner import Experiment
 from tests.helpers import FLOAT_BYTES, INT_BYTES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -240,10 +240,10 @@ def test_the_client_context_runs_the_built_in_computations_helpers():
     """What one client gets from its ClientContext equals that client's share of the
     built-in batched computations (same loss, batch plans and derived streams)."""
     from fedcluster.algorithms.base import init_row
-    from fedcluster.engine.batches import LocalTraining
     from fedcluster.engine.client_computations import EVALUATE, LOSSES, TRAIN
     from fedcluster.engine.simulator import Simulator
     from fedcluster.models import build_model
+    from fedcluster.protocol.batches import LocalTraining
     from tests.helpers import rotated_digits
 
     fed = rotated_digits(n_groups=2, clients_per_group=2, per_client=40)

@@ -13,7 +13,7 @@ from fedcluster.algorithms.dcfl import DCFL, DCFLState
 from fedcluster.clustering.distances import DCFL_VARIANTS, dcfl_distance_matrix
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, make_context
 
 N_GROUPS = 4

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.algorithms.channel import UpdateBound
 from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL, jgl_scores, pin_empty_clusters
+from fedcluster.protocol.channel import UpdateBound
 from fedcluster.rng import derive_seed, numpy_rng
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 

@@ -12,10 +12,10 @@ import torch
 
 from fedcluster.algorithms.fedavg import FedAvg
 from fedcluster.algorithms.fedem import FedEM, e_step, mixture_nll
-from fedcluster.config import validate_config
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.config.schema import validate_config
 from fedcluster.errors import ConfigError
-from fedcluster.runner import Experiment
+from fedcluster.experiment.runner import Experiment
+from fedcluster.protocol.batches import LocalTraining
 from tests.algorithms.test_flhc_fesem import N, disjoint  # noqa: F401  (fixture)
 from tests.helpers import make_context, rotated_mnist5k
 

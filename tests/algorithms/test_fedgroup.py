@@ -16,9 +16,9 @@ from fedcluster.algorithms.fedgroup import (
 from fedcluster.clustering.distances import edc_matrix, madc_matrix
 from fedcluster.clustering.validity import ari
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, INT_BYTES
 
 LABEL_GROUPS = ([0, 1, 2], [3, 4, 5], [6, 7, 8])

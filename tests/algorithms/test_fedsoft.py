@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedcluster.algorithms.fedsoft import FedSoft, importance_weights
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.protocol.batches import LocalTraining
 from tests.algorithms.test_flhc_fesem import N, disjoint  # noqa: F401  (fixture)
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 

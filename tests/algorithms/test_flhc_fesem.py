@@ -7,13 +7,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fedcluster.algorithms.channel import Traffic
 from fedcluster.algorithms.fesem import FeSEM, kmeanspp_seeds
 from fedcluster.algorithms.flhc import FLHC
 from fedcluster.clustering.validity import ari, purity
 from fedcluster.data.federation import Federation
 from fedcluster.engine.flat import weighted_average
 from fedcluster.errors import ConfigError
+from fedcluster.protocol.channel import Traffic
 from tests.algorithms.test_cflgt import MLP, label_set_federation
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context
 

@@ -10,19 +10,19 @@ import torch.nn.functional as F
 
 from fedcluster.algorithms.base import Context
 from fedcluster.algorithms.evaluation import own_loss_evaluate
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, Split
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.mlp_kernel import MLPKernel
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
+from fedcluster.experiment.runner import load_partitioned
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 from fedcluster.rng import numpy_rng
-from fedcluster.runner import load_partitioned
 from tests.helpers import unequal_clients
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -246,7 +246,7 @@ def test_device_auto_is_the_cpu_path_without_a_gpu(mnist_clients, monkeypatch):
 
 def test_cuda_without_a_gpu_is_a_one_line_config_error(monkeypatch, tmp_path):
     from fedcluster.engine.device import resolve_device
-    from fedcluster.runner import Experiment
+    from fedcluster.experiment.runner import Experiment
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="no CUDA GPU") as err:

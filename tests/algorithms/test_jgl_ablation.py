@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from fedcluster.algorithms.jgl import JGL, jgl_scores, loss_choice_differences
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import make_context, rotated_digits
 
 

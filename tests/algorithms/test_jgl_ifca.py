@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL, fix_empty_clusters, jgl_scores
 from fedcluster.clustering.validity import purity
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
 
 

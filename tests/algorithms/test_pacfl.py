@@ -20,9 +20,9 @@ from fedcluster.algorithms.pacfl import (
     proximity_matrix,
 )
 from fedcluster.clustering.validity import purity
-from fedcluster.config import resolve_config, validate_config
+from fedcluster.config.schema import resolve_config, validate_config
 from fedcluster.errors import ConfigError
-from fedcluster.runner import Experiment, build_federation_for
+from fedcluster.experiment.runner import Experiment, build_federation_for
 from tests.helpers import FLOAT_BYTES, make_context, rotated_mnist5k
 
 

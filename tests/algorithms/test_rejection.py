@@ -11,7 +11,7 @@ import torch
 import fedcluster.algorithms.cflgt as cflgt_module
 from fedcluster.algorithms import ALGORITHMS
 from fedcluster.algorithms.base import Algorithm, State
-from fedcluster.algorithms.channel import UpdateBound
+from fedcluster.protocol.channel import UpdateBound
 from tests.helpers import make_context, rotated_digits
 
 N_CLIENTS = 8

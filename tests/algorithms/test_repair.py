@@ -11,7 +11,7 @@ from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL
 from fedcluster.algorithms.repair import ClusterRepair, repair_clusters, separation
 from fedcluster.clustering.validity import purity
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import make_context, rotated_digits
 
 TRAIN = LocalTraining(lr=0.1, batch_size=16)

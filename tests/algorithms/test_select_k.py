@@ -1,4 +1,4 @@
-"""``n_clusters: auto`` (fedcluster.algorithms.select_k): config errors, the run directory's
+"""``n_clusters: auto`` (fedcluster.algorithms.cluster_count): config errors, the run directory's
 curve, the algorithm built with the chosen K, and resuming to the same metrics."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from torch import nn
 import fedcluster
 from fedcluster.algorithms import check_algorithms
 from fedcluster.cli import main
-from fedcluster.config import load_yaml, validate_config
+from fedcluster.config.schema import load_yaml, validate_config
 from fedcluster.errors import ConfigError
+from fedcluster.experiment.runner import build_federation_for, resume
 from fedcluster.reporting import figures
 from fedcluster.reporting.document import _k_curves
 from fedcluster.reporting.rundata import load_run
-from fedcluster.runner import build_federation_for, resume
 from tests.helpers import rotated_digits
 
 
@@ -142,7 +142,7 @@ def test_the_run_directory_records_the_curve_and_the_job_runs_with_the_chosen_k(
     def chosen_again(*args):
         raise AssertionError("a resumed job with a checkpoint warms up again")
 
-    monkeypatch.setattr("fedcluster.runner.select_k", chosen_again)
+    monkeypatch.setattr("fedcluster.experiment.runner.select_k", chosen_again)
     resume(tmp_path / "killed", progress=False, federation=federation)
     assert _table(tmp_path / "killed" / "select_k.csv") == rows
     resumed = _table(tmp_path / "killed" / "metrics.csv")

@@ -16,11 +16,11 @@ from fedcluster.algorithms.ifca import IFCA
 from fedcluster.algorithms.jgl import JGL
 from fedcluster.algorithms.repair import ClusterRepair
 from fedcluster.clustering.validity import purity
-from fedcluster.config import AlgorithmSpec
+from fedcluster.config.schema import AlgorithmSpec
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.errors import ConfigError
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT_BYTES, make_context, rotated_digits
 
 HIDDEN = 8

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from fedcluster.clustering.validity import purity, purity_ceiling
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.errors import ConfigError
-from fedcluster.metrics import cluster_columns, format_row
-from fedcluster.runner import Experiment
+from fedcluster.experiment.metrics import cluster_columns, format_row
+from fedcluster.experiment.runner import Experiment
 
 
 def _brute_force_ceiling(groups: np.ndarray, k: int) -> float:

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from fedcluster.algorithms.base import init_row
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
 from fedcluster.data import cifar
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import Dataset, load_dataset, user_cache_dir
 from fedcluster.data.transforms import normalise_images, random_crop_flip
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 
 GetDataset = Callable[[str], Dataset]
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.config import resolve_config
+from fedcluster.config.schema import resolve_config
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.leaf import PAD_ID, UNKNOWN_ID, tokenize
 from fedcluster.data.natural import natural_partition
 from fedcluster.data.sources import load_dataset
 from fedcluster.errors import ConfigError, DataError
+from fedcluster.experiment.runner import Experiment, build_federation_for
 from fedcluster.models import build_model
 from fedcluster.rng import numpy_rng
-from fedcluster.runner import Experiment, build_federation_for
 
 
 def _write(path: Path, users: dict[str, tuple[list, list]]) -> None:

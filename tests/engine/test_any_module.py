@@ -18,16 +18,16 @@ import torch.nn.functional as F
 
 from fedcluster.algorithms import ALGORITHMS, Context
 from fedcluster.algorithms.base import init_row
-from fedcluster.config import validate_config
-from fedcluster.dp import RecordDP
-from fedcluster.engine.batches import LocalTraining, batch_plan
+from fedcluster.config.schema import validate_config
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import resolve_loss
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
+from fedcluster.experiment.runner import Experiment
 from fedcluster.models import build_model
-from fedcluster.runner import Experiment
+from fedcluster.privacy.mechanisms import RecordDP
+from fedcluster.protocol.batches import LocalTraining, batch_plan
 from tests.helpers import (
     FLOAT32_EPS,
     FLOAT_BYTES,

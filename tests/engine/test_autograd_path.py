@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import assert_same_training
 
 

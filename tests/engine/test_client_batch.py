@@ -1,7 +1,7 @@
 """Client computations reach their clients only through ClientBatch and ClientContext.
 
 Every built-in registered computation runs against a runner that answers only the
-documented :class:`~fedcluster.engine.client_side.ClientRunner` protocol (any other
+documented :class:`~fedcluster.protocol.client_side.ClientRunner` protocol (any other
 attribute of the simulator raises ``AttributeError``), and replies exactly what it
 replies with the simulator itself. The batch's own helpers equal their per-client
 definitions.
@@ -17,12 +17,12 @@ import torch
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
 from fedcluster.algorithms.base import init_row
-from fedcluster.dp import UploadTicket
-from fedcluster.engine.batches import LocalTraining, batch_plan
-from fedcluster.engine.client_side import ClientBatch, ClientRunner
-from fedcluster.engine.computation import COMPUTATIONS, Request
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.privacy.mechanisms import UploadTicket
+from fedcluster.protocol.batches import LocalTraining, batch_plan
+from fedcluster.protocol.client_side import ClientBatch, ClientRunner
+from fedcluster.protocol.computation import COMPUTATIONS, Request
 from tests.helpers import rotated_digits
 
 PROTOCOL = {name for name in vars(ClientRunner) if not name.startswith("_")} | set(

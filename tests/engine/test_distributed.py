@@ -1,4 +1,4 @@
-"""backend: distributed (fedcluster.engine.distributed): clients sharded over two
+"""backend: distributed (fedcluster.experiment.distributed): clients sharded over two
 torch.distributed (gloo, 127.0.0.1) worker processes give the one-process simulator's
 metrics and clusters, for the built-in methods and a computation defined outside src/;
 a worker killed mid-run leaves a run that completes with the same numbers and resumes."""
@@ -17,13 +17,13 @@ import pytest
 import yaml
 
 import tests.algorithms.test_custom_computation  # noqa: F401  (registers test-label-split)
-from fedcluster.callbacks import Callback
 from fedcluster.cli import main
-from fedcluster.config import validate_config
-from fedcluster.engine.distributed import shard_clients
+from fedcluster.config.schema import validate_config
 from fedcluster.errors import ConfigError
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.runner import Experiment
+from fedcluster.experiment.callbacks import Callback
+from fedcluster.experiment.distributed import shard_clients
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.runner import Experiment
 from tests.helpers import digits_config
 
 ALGORITHMS = [

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.engine import precision
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.model_eval import distinct_chunks
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import FLOAT32_EPS, cross_entropy_error_bound, evaluation_bounds
 
 

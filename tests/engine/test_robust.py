@@ -15,9 +15,7 @@ from scipy import stats
 
 from fedcluster.algorithms import ALGORITHMS
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.config import ConfigError, resolve_config
-from fedcluster.engine.flat import weighted_average
-from fedcluster.engine.robust import (
+from fedcluster.algorithms.robust import (
     Aggregator,
     aggregate,
     aligned_mean,
@@ -29,7 +27,9 @@ from fedcluster.engine.robust import (
     multi_krum,
     trimmed_mean,
 )
-from fedcluster.scenario import FAULTS, FaultyUploads, alie_z, flip_labels
+from fedcluster.config.schema import ConfigError, resolve_config
+from fedcluster.engine.flat import weighted_average
+from fedcluster.experiment.scenario import FAULTS, FaultyUploads, alie_z, flip_labels
 from tests.algorithms.test_rejection import PARAMS
 from tests.helpers import make_context, rotated_digits
 

@@ -10,7 +10,6 @@ import torch
 
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining, batch_plan
 from fedcluster.engine.flat import ParamLayout, weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import (
@@ -21,6 +20,7 @@ from fedcluster.engine.simulator import (
     balanced_group_size,
 )
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining, batch_plan
 from tests.helpers import assert_same_training, evaluation_bounds, unequal_clients
 
 

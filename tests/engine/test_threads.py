@@ -14,10 +14,10 @@ import torch
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.engine import threads
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
+from fedcluster.protocol.batches import LocalTraining
 
 
 def test_omp_wait_policy_is_passive_in_the_cli_unless_the_user_chose_one():

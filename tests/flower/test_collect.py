@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
 from fedcluster.errors import ConfigError
 from fedcluster.flower.collect import TooFewReplies, collect, required
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcluster[flower]'`")
 
-from fedcluster.flower.backend import FlowerClientError, connected_nodes  # noqa: E402
+from fedcluster.flower.flower_backend import FlowerClientError, connected_nodes  # noqa: E402
 
 
 class LateGrid:

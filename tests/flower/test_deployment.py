@@ -31,11 +31,11 @@ import pytest
 
 pytest.importorskip("flwr", reason="deployment needs `pip install 'fedcluster[flower]'`")
 
-from fedcluster.config import resolve_config  # noqa: E402
+from fedcluster.config.schema import resolve_config  # noqa: E402
 from fedcluster.errors import FedclusterError  # noqa: E402
+from fedcluster.experiment.runner import Experiment  # noqa: E402
 from fedcluster.flower.launcher import run_local  # noqa: E402
 from fedcluster.flower.nodedata import client_file  # noqa: E402
-from fedcluster.runner import Experiment  # noqa: E402
 from tests.helpers import assert_same_run  # noqa: E402
 
 pytestmark = pytest.mark.deployment
@@ -439,7 +439,7 @@ def test_the_guide_runs_as_written(tmp_path):
     import subprocess
     import sys
 
-    from fedcluster.config import dump_config
+    from fedcluster.config.schema import dump_config
     from fedcluster.flower.launcher import free_port
 
     blocks = guide_blocks()

@@ -24,11 +24,11 @@ import torch
 
 pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcluster[flower]'`")
 
-from fedcluster.callbacks import Callback  # noqa: E402
 from fedcluster.cli import main  # noqa: E402
-from fedcluster.flower import protocol  # noqa: E402
-from fedcluster.flower.backend import FIRST_TIMEOUT_FLOORS, Fleet, FlowerBackend  # noqa: E402
+from fedcluster.experiment.callbacks import Callback  # noqa: E402
+from fedcluster.flower import messages  # noqa: E402
 from fedcluster.flower.collect import TooFewReplies  # noqa: E402
+from fedcluster.flower.flower_backend import FIRST_TIMEOUT_FLOORS, Fleet, FlowerBackend  # noqa: E402
 from fedcluster.flower.nodedata import client_file, read_manifest, sha256  # noqa: E402
 from fedcluster.flower.server import (  # noqa: E402
     FlowerBackends,
@@ -269,7 +269,7 @@ def test_rediscovery_never_waits_and_takes_a_node_back_within_the_round(tmp_path
     assert time.monotonic() - start < 0.5 and not events
     assert reachable.tolist() == [True] * 3 + [False] * 3
     backend.rediscover()
-    setups = [s for s in grid.sent if s[0] == 101 and s[1] == protocol.SETUP]
+    setups = [s for s in grid.sent if s[0] == 101 and s[1] == messages.SETUP]
     assert len(setups) == 2  # discovery's, and the round start's (still open)
     grid.down.discard(101)
     assert backend.end_round(1) == [(c, "joined", "node 101") for c in (3, 4, 5)]

@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcluster[flower]'`")
 
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
-from fedcluster.client_results import read_clients  # noqa: E402
-from fedcluster.config import validate_config  # noqa: E402
+from fedcluster.config.schema import validate_config  # noqa: E402
 from fedcluster.errors import ConfigError  # noqa: E402
+from fedcluster.experiment.client_results import read_clients  # noqa: E402
+from fedcluster.experiment.runner import Experiment  # noqa: E402
 from fedcluster.flower.server import check_supported, run_simulation  # noqa: E402
-from fedcluster.runner import Experiment  # noqa: E402
 from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
 SMALL = {

@@ -19,10 +19,10 @@ pytest.importorskip("flwr", reason="the Flower backend needs `pip install 'fedcl
 
 from flwr.app import RecordDict  # noqa: E402
 
-from fedcluster.config import DeploymentConfig, dump_config  # noqa: E402
+from fedcluster.config.schema import DeploymentConfig, dump_config  # noqa: E402
 from fedcluster.errors import ConfigError  # noqa: E402
-from fedcluster.flower import protocol  # noqa: E402
-from fedcluster.flower.backend import Fleet, FlowerBackend, discover  # noqa: E402
+from fedcluster.flower import messages  # noqa: E402
+from fedcluster.flower.flower_backend import Fleet, FlowerBackend, discover  # noqa: E402
 from fedcluster.flower.nodedata import read_manifest  # noqa: E402
 from fedcluster.flower.server import flower_experiment  # noqa: E402
 from fedcluster.flower.verify import BadReport, setup_report  # noqa: E402
@@ -50,7 +50,7 @@ class ForgingGrid(LocalGrid):
         forge = self.forge.get(node)
         reply = self.replies[mid]
         if forge is not None and not reply.has_error():
-            config = protocol.settings(message.content)
+            config = messages.settings(message.content)
             reply.content = forge(str(config.get("computation", "setup")), reply.content)
 
 
@@ -58,19 +58,19 @@ def _inflate(computation: str, content: RecordDict) -> RecordDict:
     """Evaluation replies claiming 1000 × the client's test samples, all correct."""
     if computation != "evaluate":
         return content
-    arrays, config = protocol.tensors(content), dict(protocol.settings(content).items())
+    arrays, config = messages.tensors(content), dict(messages.settings(content).items())
     for key in [k for k in arrays if k.endswith("|count")]:
         arrays[key] = arrays[key] * 1000
         arrays[key.replace("|count", "|correct")] = arrays[key].clone()
-    return protocol.request(arrays, config)
+    return messages.request(arrays, config)
 
 
 def _fail_evaluation(computation: str, content: RecordDict) -> RecordDict:
     """Every client's evaluation fails on the node (its error travels back)."""
     if computation != "evaluate":
         return content
-    n = len([k for k in protocol.tensors(content) if k.endswith("|count")])
-    return protocol.encode_replies(["node error: evaluation failed"] * n)
+    n = len([k for k in messages.tensors(content) if k.endswith("|count")])
+    return messages.encode_replies(["node error: evaluation failed"] * n)
 
 
 def _run(config, grid, out: Path, export: Path | None = None) -> None:
@@ -104,13 +104,13 @@ def _forged_setup(**change):
     def forge(computation: str, content: RecordDict) -> RecordDict:
         if computation != "setup":
             return content
-        config = dict(protocol.settings(content).items())
+        config = dict(messages.settings(content).items())
         for key, value in change.items():
             if value is None:
                 config.pop(key, None)
             else:
                 config[key] = value
-        return protocol.reply({}, config)
+        return messages.reply({}, config)
 
     return forge
 
@@ -199,12 +199,12 @@ def test_setup_reports_out_of_bounds_are_refused(change, fault):
         "0|test_size": 10,
         "0|group": 1,
     }
-    report = setup_report(protocol.reply({}, honest))
+    report = setup_report(messages.reply({}, honest))
     assert report.clients == [(0, {"train_size": 40, "test_size": 10, "group": 1})]
     assert report.shape == (10, (1, 28, 28))
     forged = {k: v for k, v in {**honest, **change}.items() if v is not None}
     with pytest.raises(BadReport, match=fault.replace("(", r"\(").replace(".", r"\.")):
-        setup_report(protocol.reply({}, forged))
+        setup_report(messages.reply({}, forged))
 
 
 def test_the_measured_timeout_has_a_ceiling():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import yaml
 
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
+from fedcluster.experiment.runner import build_federation_for
+from fedcluster.experiment.scenario import Scenario
 from fedcluster.flower.client import _client
-from fedcluster.runner import build_federation_for
-from fedcluster.scenario import Scenario
 from tests.helpers import rotated_mnist5k
 
 CONFIG = {

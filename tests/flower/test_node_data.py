@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
 from fedcluster.errors import DataError, FedclusterError
+from fedcluster.experiment.runner import build_federation_for
 from fedcluster.flower.export import export_federation, export_for_nodes, spread_clients
 from fedcluster.flower.nodedata import (
     client_file,
@@ -26,7 +27,6 @@ from fedcluster.flower.nodedata import (
     read_manifest,
     sha256,
 )
-from fedcluster.runner import build_federation_for
 from tests.helpers import rotated_mnist5k
 
 CONFIG = {

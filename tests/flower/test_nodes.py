@@ -26,17 +26,17 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedcluster.algorithms import ALGORITHMS  # noqa: E402
-from fedcluster.config import dump_config, resolve_config, validate_config  # noqa: E402
-from fedcluster.dp import UploadTicket  # noqa: E402
-from fedcluster.engine.batches import LocalTraining  # noqa: E402
-from fedcluster.engine.computation import Request  # noqa: E402
-from fedcluster.flower import protocol  # noqa: E402
-from fedcluster.flower.backend import FlowerClientError, discover  # noqa: E402
+from fedcluster.config.schema import dump_config, resolve_config, validate_config  # noqa: E402
+from fedcluster.experiment.runner import Experiment  # noqa: E402
+from fedcluster.flower import messages as protocol  # noqa: E402
 from fedcluster.flower.client import client_app  # noqa: E402
 from fedcluster.flower.export import export_federation, export_for_nodes  # noqa: E402
+from fedcluster.flower.flower_backend import FlowerClientError, discover  # noqa: E402
 from fedcluster.flower.nodedata import client_file  # noqa: E402
 from fedcluster.flower.server import FlowerBackends  # noqa: E402
-from fedcluster.runner import Experiment  # noqa: E402
+from fedcluster.privacy.mechanisms import UploadTicket  # noqa: E402
+from fedcluster.protocol.batches import LocalTraining  # noqa: E402
+from fedcluster.protocol.computation import Request  # noqa: E402
 from tests.flower.test_flower import SMALL  # noqa: E402
 from tests.helpers import assert_same_run, rotated_mnist5k  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_split_clients_gives_each_client_its_own_request():
     """A node's message for several clients decodes to what ``Request.client(i)`` gives
     each of them: shared tensors once, own rows and picked rows, per-client settings
     (each client's DP-SGD σ and release rule)."""
-    from fedcluster.dp import RecordDP
+    from fedcluster.privacy.mechanisms import RecordDP
 
     dp = RecordDP(clip=1.0, noise_multiplier=(0.5, 0.7, 0.9), poisson=True, release=2)
     training = LocalTraining(
@@ -339,7 +339,7 @@ def test_a_corrupt_client_file_leaves_only_that_client_out(tmp_path, caplog):
     nodes, blocks = _nodes(config, tmp_path, 2)  # clients 0-2 and 3-5
     _corrupt(blocks[1][0], 4)
     grid = LocalGrid(nodes)
-    with caplog.at_level(logging.WARNING, logger="fedcluster.flower.backend"):
+    with caplog.at_level(logging.WARNING, logger="fedcluster.flower.flower_backend"):
         _flower_run(config, grid, tmp_path / "flower")
     setup = [r.getMessage() for r in caplog.records if protocol.SETUP in r.getMessage()]
     assert len(setup) == 1 and "client 4 (node 101)" in setup[0]
@@ -396,7 +396,7 @@ def test_a_node_reported_offline_is_not_asked_again(tmp_path, caplog):
     )
     nodes, _ = _nodes(config, tmp_path, 2)
     grid = _LosesANode(nodes, after=2)  # after round 1's training
-    with caplog.at_level(logging.WARNING, logger="fedcluster.flower.backend"):
+    with caplog.at_level(logging.WARNING, logger="fedcluster.flower.flower_backend"):
         _flower_run(config, grid, tmp_path / "flower")
     offline = [r.getMessage() for r in caplog.records if "is lost;" in r.getMessage()]
     assert len(offline) == 1 and "node 101" in offline[0] and "(3, 4, 5)" in offline[0]

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from fedcluster.config import resolve_config
-from fedcluster.metrics import TIMING_COLUMNS
-from fedcluster.runner import Experiment
+from fedcluster.config.schema import resolve_config
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.runner import Experiment
 
 HERE = Path(__file__).resolve().parent
 TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv")

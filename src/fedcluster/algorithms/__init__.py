@@ -1,4 +1,10 @@
-"""Federated algorithms, one module each; importing this package registers them all."""
+"""The clustered-FL methods, one module per method (FedAvg, IFCA, JGL, CFLGT,
+DCFL, FedGroup, CFL, FeSEM, FL+HC, PACFL, WeCFL, FedSoft, FedEM, local), with
+their shared server steps (``base``, ``cluster_models``, ``aggregation``, robust
+rules, repair, the choice of the cluster count). An algorithm reaches clients
+only through ``protocol``'s channel; the package may import ``engine`` and every
+layer below it, never ``experiment``, ``flower`` or the entry points.
+"""
 
 from fedcluster.algorithms import (  # noqa: F401  (registration)
     cfl,

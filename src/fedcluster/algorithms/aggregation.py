@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedcluster.algorithms.robust import MEAN, Aggregator
 from fedcluster.engine.flat import group_averages
-from fedcluster.engine.robust import MEAN, Aggregator
 
 
 def cluster_average(
@@ -33,7 +33,7 @@ def cluster_average(
     Returns a copy of ``previous`` [K, d] in which every cluster holding at
     least one row is replaced by the mean of its rows (uniform, or weighted by
     ``weights`` [n], e.g. sample counts); clusters without rows keep their
-    previous row. ``aggregate`` (the run's rule, :mod:`fedcluster.engine.robust`)
+    previous row. ``aggregate`` (the run's rule, :mod:`fedcluster.algorithms.robust`)
     may replace the mean by a robust rule; the members' updates are measured
     from ``start`` [n, d] (the models they trained from), by default from the
     cluster's previous row. ``shared`` columns (the same in every row of

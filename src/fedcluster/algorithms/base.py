@@ -7,12 +7,12 @@ clients and what they compute:
 - an algorithm is *server logic*: who gets which model, clustering,
   aggregation -- the methods of :class:`Algorithm`;
 - what a client computes is a registered client computation
-  (:class:`~fedcluster.engine.computation.ClientComputation`: train, the
+  (:class:`~fedcluster.protocol.computation.ClientComputation`: train, the
   K-model losses, evaluate, JGL's gradient products, CFLGT's trajectory, or
   one an algorithm declares), run for many clients at once by the simulator
   and for one client per node on Flower;
 - every request goes through one channel
-  (:class:`~fedcluster.algorithms.channel.Channel`) that applies failures,
+  (:class:`~fedcluster.protocol.channel.Channel`) that applies failures,
   local DP, rejection of malformed replies and byte counting, so
   ``bytes_up`` / ``bytes_down`` are measured from the payloads.
 """
@@ -30,23 +30,23 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
-from fedcluster.algorithms.channel import Channel, Replies, UpdateBound
+from fedcluster.algorithms.cluster_count import AutoK, parse_auto
 from fedcluster.algorithms.evaluation import own_loss_evaluate
-from fedcluster.algorithms.select_k import AutoK, parse_auto
-from fedcluster.config import AlgorithmSpec, ExperimentConfig, describe_error
-from fedcluster.engine.backend import Backend, FederationView
-from fedcluster.engine.batches import LocalTraining
+from fedcluster.algorithms.robust import Aggregator
+from fedcluster.config.plugins import resolve
+from fedcluster.config.schema import AlgorithmSpec, ExperimentConfig, describe_error
 from fedcluster.engine.client_computations import EVALUATE, TRAIN
-from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.engine.results import EvalResult
-from fedcluster.engine.robust import Aggregator
 from fedcluster.errors import ConfigError
-from fedcluster.plugins import resolve
+from fedcluster.protocol.backend import Backend, FederationView
+from fedcluster.protocol.batches import LocalTraining
+from fedcluster.protocol.channel import Channel, Replies, UpdateBound
+from fedcluster.protocol.computation import ClientComputation, Request
 
 if TYPE_CHECKING:
-    from fedcluster.central_dp import CentralDP
     from fedcluster.engine.flat import ParamLayout
-    from fedcluster.privacy import LocalDP
+    from fedcluster.privacy.central import CentralDP
+    from fedcluster.privacy.ledger import LocalDP
 
 S = TypeVar("S", bound="State")
 P = TypeVar("P", bound="AlgorithmParams")
@@ -164,11 +164,11 @@ class Context:
     seed and initial model.
 
     Every request to clients goes through :attr:`channel`
-    (:class:`~fedcluster.algorithms.channel.Channel`: failures, local DP,
+    (:class:`~fedcluster.protocol.channel.Channel`: failures, local DP,
     rejection, byte counting); :meth:`exchange` is its shorthand for local
     training, :meth:`ask` for any client computation.
 
-    Dynamic federations (:mod:`fedcluster.scenario`). Before every round the
+    Dynamic federations (:mod:`fedcluster.experiment.scenario`). Before every round the
     runner sets the clients that are ``present`` (joined and not departed:
     the federation of that round, evaluated by :meth:`Algorithm.evaluate`),
     ``available`` (present and reachable: the runner selects among them, and
@@ -190,12 +190,12 @@ class Context:
     """Test protocol (:mod:`fedcluster.algorithms.evaluation`): ``assigned`` or ``own_loss``."""
     aggregate: Aggregator = field(default_factory=Aggregator)
     """The rule by which every algorithm averages client models (plain mean by default;
-    :mod:`fedcluster.engine.robust`), per cluster where there are clusters."""
+    :mod:`fedcluster.algorithms.robust`), per cluster where there are clusters."""
     compare: str = "parameters"
     """What clustering compares (config ``model.compare``): the trainable
     ``parameters`` of a row, or the whole ``row`` with its float buffers."""
     central: CentralDP | None = None
-    """Central DP (:mod:`fedcluster.central_dp`): then also :attr:`aggregate`; it sees
+    """Central DP (:mod:`fedcluster.privacy.central`): then also :attr:`aggregate`; it sees
     every accepted training upload and holds the clients' noisy sketches."""
 
     @classmethod
@@ -334,7 +334,7 @@ class Context:
         Counts the start row down per client (unless ``held``: the clients already
         received it this round), ``dim`` floats plus ``ints`` integers up per
         replying client. Failing clients neither train nor upload; malformed
-        updates are rejected (:class:`~fedcluster.algorithms.channel.Channel`).
+        updates are rejected (:class:`~fedcluster.protocol.channel.Channel`).
         """
         clients = np.asarray(clients, dtype=np.int64)
         payload = {"start": start}
@@ -441,7 +441,7 @@ class Algorithm(ABC, Generic[P, S]):
     ``k_range: [lo, hi]``): before round 1 every client trains once from the initial
     model, K is the largest mean silhouette of k-means on those updates, and the
     algorithm is built with ``params.<cluster_count> = K``
-    (:mod:`fedcluster.algorithms.select_k`). ``None`` (the default): the algorithm has no
+    (:mod:`fedcluster.algorithms.cluster_count`). ``None`` (the default): the algorithm has no
     cluster count, and ``auto`` is refused naming the field."""
 
     def __init__(self, params: P, ctx: Context) -> None:
@@ -492,7 +492,7 @@ A = TypeVar("A", bound=Algorithm[Any, Any])
 
 def algorithm_class(name: str, where: str = "algorithms") -> type[Algorithm[Any, Any]]:
     """The algorithm called ``name``: registered, ``package.module:Class``, or an installed
-    plugin (:mod:`fedcluster.plugins`); a :class:`~fedcluster.errors.ConfigError` naming
+    plugin (:mod:`fedcluster.config.plugins`); a :class:`~fedcluster.errors.ConfigError` naming
     the field ``where`` otherwise."""
     try:
         cls = resolve("algorithm", name, ALGORITHMS)
@@ -523,7 +523,7 @@ def algorithm_params(spec: AlgorithmSpec, index: int = 0, k: int | None = None) 
     :class:`~fedcluster.errors.ConfigError` names the unknown algorithm or the bad field.
 
     An ``auto`` number of clusters is replaced by ``k`` (before it is chosen: the
-    algorithm's default; :mod:`fedcluster.algorithms.select_k`)."""
+    algorithm's default; :mod:`fedcluster.algorithms.cluster_count`)."""
     cls = algorithm_class(spec.name, f"algorithms.{index}")
     where = f"algorithms.{index}.params"
     params, auto = parse_auto(spec.name, cls.cluster_count, spec.params, where)

@@ -61,7 +61,7 @@ Choices where the paper is silent or the code differs, taken here:
   cluster averages the accepted updates and is not examined for a split that
   round; a round without an accepted update changes nothing.
 
-Dynamic federations (:mod:`fedcluster.scenario`; an extension, Sattler et al.
+Dynamic federations (:mod:`fedcluster.experiment.scenario`; an extension, Sattler et al.
 assume a fixed population):
 
 - "All its members" means all its *present* members (``ctx.present``): a

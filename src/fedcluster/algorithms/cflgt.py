@@ -7,7 +7,7 @@ Schedule (Alg. 1), one runner round per step:
    ``FedAvg(h_g, M)``, under the run's participation);
 2. round ``K + 1`` (lines 5-11): the server broadcasts h_g to *every* client;
    each computes its gradient trajectory with a forward pass
-   (:func:`~fedcluster.engine.trajectory.gradient_trajectories`, eqs. 6-8) and
+   (:func:`~fedcluster.algorithms.cflgt_trajectory.gradient_trajectories`, eqs. 6-8) and
    uploads its 2·C floats; the server clusters the trajectories by affinity
    propagation on the negative mean L2 distance between corresponding points
    (Sec. IV-B) -- the number of clusters is found, not given -- and every
@@ -54,7 +54,7 @@ pre-trained global model h_g. If no client can be clustered (every upload
 rejected, or for FL+HC fewer accepted updates than clusters), the state is
 unchanged and the next round repeats the clustering round.
 
-Dynamic federations (:mod:`fedcluster.scenario`). "Every client" of the
+Dynamic federations (:mod:`fedcluster.experiment.scenario`). "Every client" of the
 clustering round is every client the server can reach in that round
 (``ctx.available``); participants are drawn among reachable clients too.
 Clients that joined later, or were unreachable or failed in the clustering
@@ -94,20 +94,20 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.algorithms.cflgt_trajectory import gradient_trajectories
 from fedcluster.algorithms.fedavg import FedAvgState, fedavg_step
 from fedcluster.clustering.distances import trajectory_distance_matrix, trajectory_distance_to
 from fedcluster.clustering.methods import affinity_propagation
 from fedcluster.clustering.validity import coefficient_of_variation, hopkins
 from fedcluster.engine.client_computations import vector_release
-from fedcluster.engine.client_side import ClientBatch
-from fedcluster.engine.computation import (
+from fedcluster.protocol.client_side import ClientBatch
+from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
     ReplyField,
     Request,
     register_computation,
 )
-from fedcluster.engine.trajectory import gradient_trajectories
 from fedcluster.rng import numpy_rng
 
 

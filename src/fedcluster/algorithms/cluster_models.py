@@ -12,7 +12,7 @@ left out: those clients keep their previous cluster id, a cluster none of whose
 choosers was accepted keeps its model (and gets Δw_k = 0, as an unchosen
 cluster does), and a round without an accepted upload changes nothing.
 
-Dynamic federations (:mod:`fedcluster.scenario`): every selected client
+Dynamic federations (:mod:`fedcluster.experiment.scenario`): every selected client
 chooses its cluster every round, so a newcomer needs no special rule and a
 drifting client re-chooses by itself; the good initializer looks at the
 clients present at the start.
@@ -32,7 +32,7 @@ weights of the per-cluster average; each cluster keeps its own other layers,
 averaged within the cluster. A client chooses by its loss under each full
 model (shared + own layers) and uploads its whole trained model. The broadcast
 of the K models (JGL: and their Δw_k, whose shared columns are equal too)
-sends the shared columns once (:attr:`~fedcluster.engine.computation.Request.tied`):
+sends the shared columns once (:attr:`~fedcluster.protocol.computation.Request.tied`):
 (K − 1)·|shared|·4 bytes fewer per asked client and query. An unchosen
 cluster keeps its own layers, and its shared layers move with everyone's.
 """
@@ -57,13 +57,13 @@ from fedcluster.algorithms.base import (
     log,
     weighted_loss,
 )
-from fedcluster.algorithms.channel import Replies
+from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
-from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import LOSSES
-from fedcluster.engine.computation import ClientComputation, Payload, Request, Settings
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError
+from fedcluster.protocol.channel import Replies
+from fedcluster.protocol.computation import ClientComputation, Payload, Request, Settings
 from fedcluster.rng import derive_seed, numpy_rng
 
 

@@ -62,7 +62,7 @@ Choices where the paper is silent, taken here:
   the clustering in force during the round), and ``reclusterings``, the
   re-clusterings so far (``state.reclusterings``).
 
-Dynamic federations (:mod:`fedcluster.scenario`), the setting DCFL was built
+Dynamic federations (:mod:`fedcluster.experiment.scenario`), the setting DCFL was built
 for (Sec. III): a client joining after round 1 is a newcomer when first
 selected (eq. 6 above); a failed newcomer is treated like a rejected one. A
 drifting client's update leaves its cluster, the Dunn index drops below 1 and

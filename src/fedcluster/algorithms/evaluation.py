@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from fedcluster.engine.client_computations import EVALUATE_MODELS
-from fedcluster.engine.computation import Request
 from fedcluster.engine.results import EvalResult
+from fedcluster.protocol.computation import Request
 
 if TYPE_CHECKING:
     from fedcluster.algorithms.base import Context

@@ -35,10 +35,10 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.engine.client_computations import TRAIN
-from fedcluster.engine.computation import Request
 from fedcluster.engine.results import EvalResult
+from fedcluster.protocol.batches import LocalTraining
+from fedcluster.protocol.computation import Request
 
 
 @dataclass

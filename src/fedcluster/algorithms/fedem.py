@@ -53,23 +53,23 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.mixture import (
     check_plain_sgd,
     sample_losses,
     single_threaded,
     weighted_sgd,
 )
-from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.engine.client_computations import EVALUATE
-from fedcluster.engine.client_side import ClientBatch
-from fedcluster.engine.computation import (
+from fedcluster.engine.results import EvalResult
+from fedcluster.protocol.client_side import ClientBatch
+from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
     ReplyField,
     Request,
     register_computation,
 )
-from fedcluster.engine.results import EvalResult
 
 
 def e_step(losses: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

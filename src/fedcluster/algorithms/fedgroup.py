@@ -46,7 +46,7 @@ next round retries with a fresh draw of clients (``state.cold_start_retries``
 keys the draw; the first draw is unchanged). A round without an accepted update
 changes no model.
 
-Dynamic federations (:mod:`fedcluster.scenario`). The group cold start draws
+Dynamic federations (:mod:`fedcluster.experiment.scenario`). The group cold start draws
 its α·m clients among the clients reachable in its round (waiting for a round
 with at least as many reachable clients as it needs); every client that joins
 later is a cold client and is placed by the client cold start (eq. 9), the
@@ -76,7 +76,7 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
-from fedcluster.algorithms.select_k import AUTO_HELP
+from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.clustering.distances import cosine_to, madc_matrix, svd_directions
 from fedcluster.clustering.methods import hierarchical, kmeans_pp
 from fedcluster.errors import ConfigError

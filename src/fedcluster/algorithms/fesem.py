@@ -41,7 +41,7 @@ members' updates (each from the model it trained from) split into two
 incongruent halves gives its smaller half to a starved centre. FeSEM's
 delta-free state ignores the repair's Δw.
 
-Dynamic federations (:mod:`fedcluster.scenario`). A newcomer is a client
+Dynamic federations (:mod:`fedcluster.experiment.scenario`). A newcomer is a client
 without a cluster: it trains from the mean of the centres and the E-step
 assigns it to the nearest centre, as any client (Xie et al. need no special
 rule). With ``init="clients"``, fewer than K selected clients in the seeding
@@ -69,8 +69,8 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
-from fedcluster.algorithms.select_k import AUTO_HELP
 from fedcluster.clustering.distances import euclidean_distance_matrix
 from fedcluster.errors import ConfigError
 from fedcluster.rng import numpy_rng

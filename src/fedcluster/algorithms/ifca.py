@@ -22,7 +22,6 @@ import numpy as np
 from pydantic import Field
 
 from fedcluster.algorithms.base import register
-from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.cluster_models import (
     Choice,
     ClusterModelAlgorithm,
@@ -31,6 +30,7 @@ from fedcluster.algorithms.cluster_models import (
     argmax_random_ties,
 )
 from fedcluster.algorithms.jgl import CHOOSE_AND_TRAIN
+from fedcluster.protocol.channel import Replies
 
 
 class IFCAParams(ClusterModelParams):

@@ -60,7 +60,6 @@ import torch
 from pydantic import Field
 
 from fedcluster.algorithms.base import register
-from fedcluster.algorithms.channel import Replies
 from fedcluster.algorithms.cluster_models import (
     Choice,
     ClusterModelAlgorithm,
@@ -75,8 +74,9 @@ from fedcluster.engine.client_computations import (
     n_models,
     release_trained,
 )
-from fedcluster.engine.client_side import ClientBatch
-from fedcluster.engine.computation import (
+from fedcluster.protocol.channel import Replies
+from fedcluster.protocol.client_side import ClientBatch
+from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
     ReplyField,

@@ -21,7 +21,7 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.engine.client_computations import TRAIN
-from fedcluster.engine.computation import Request
+from fedcluster.protocol.computation import Request
 
 
 @dataclass

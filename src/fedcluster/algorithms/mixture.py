@@ -5,7 +5,7 @@ Used by FedEM (:mod:`fedcluster.algorithms.fedem`: the E-step's per-sample
 likelihoods, each component trained with the responsibility-weighted loss) and
 FedSoft (:mod:`fedcluster.algorithms.fedsoft`: which cluster model fits each
 sample best, the proximal term toward the mixture of cluster models). Both run
-client by client (its :class:`~fedcluster.engine.client_side.ClientContext`) with
+client by client (its :class:`~fedcluster.protocol.client_side.ClientContext`) with
 autograd through the flat parameter layout
 (:class:`~fedcluster.engine.flat.ParamLayout`), so any model works and a
 Flower node computes exactly what the simulator does (:func:`single_threaded`: a
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from fedcluster.engine.batches import LocalTraining
 from fedcluster.errors import ConfigError
+from fedcluster.protocol.batches import LocalTraining
 
 if TYPE_CHECKING:
     from fedcluster.algorithms.base import Context
-    from fedcluster.engine.client_side import ClientContext
+    from fedcluster.protocol.client_side import ClientContext
 
 
 def check_plain_sgd(ctx: Context, name: str) -> None:

@@ -35,7 +35,7 @@ it then trains with that cluster in the same round.
 Local DP: the subspace is a direct function of the raw data (the first
 singular vector of a label is close to its mean image), so it is *released*
 under client-level local DP like CFLGT's trajectory
-(:func:`fedcluster.dp.release_vectors`: clipped, Gaussian noise); the server
+(:func:`fedcluster.privacy.mechanisms.release_vectors`: clipped, Gaussian noise); the server
 re-orthonormalises the noisy vectors (post-processing). Record-level DP has no
 per-sample sensitivity for it and is refused by the ledger.
 """
@@ -53,8 +53,8 @@ from fedcluster.algorithms.base import AlgorithmParams, RoundOutput, log, regist
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotState
 from fedcluster.clustering.methods import Linkage, hierarchical
 from fedcluster.engine.client_computations import vector_release
-from fedcluster.engine.client_side import ClientContext
-from fedcluster.engine.computation import (
+from fedcluster.protocol.client_side import ClientContext
+from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
     ReplyField,

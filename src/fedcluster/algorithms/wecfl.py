@@ -36,7 +36,7 @@ from pydantic import Field
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import register
 from fedcluster.algorithms.fesem import FeSEM, FeSEMParams
-from fedcluster.engine.robust import MEAN, Aggregator
+from fedcluster.algorithms.robust import MEAN, Aggregator
 
 
 class WeCFLParams(FeSEMParams):

@@ -18,7 +18,7 @@ counts so the federation's offsets stay valid:
   train and test samples of the client are disjoint; they may coincide with
   other clients' samples.
 
-What drifts when is decided by :class:`fedcluster.scenario.Scenario`; each
+What drifts when is decided by :class:`fedcluster.experiment.scenario.Scenario`; each
 event carries a seed for its own random choices, so replaying the events of a
 run on a fresh copy of the federation gives the same data (resume).
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fedcluster.config import DriftKind
+from fedcluster.config.schema import DriftKind
 from fedcluster.data.federation import Federation
 from fedcluster.data.partitions import Partition, _apportion, _dirichlet_per_client, _draw_by_counts
 from fedcluster.data.sources import Dataset

@@ -45,8 +45,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from fedcluster.config.plugins import resolve
 from fedcluster.errors import ConfigError, DataError
-from fedcluster.plugins import resolve
 
 __all__ = [
     "PARTITIONS",
@@ -1118,7 +1118,7 @@ def make_partition(
     """Build the partition ``name`` of ``PARTITIONS`` with keyword ``options``.
 
     ``name`` may also be ``package.module:function`` or an installed plugin of the
-    ``fedcluster.partitions`` entry-point group (:mod:`fedcluster.plugins`): a function
+    ``fedcluster.partitions`` entry-point group (:mod:`fedcluster.config.plugins`): a function
     ``(y_train, y_test, rng, *, options...) -> Partition`` like the built-in ones.
 
     ``y_test`` is None when the dataset has no test split (test sets are then
@@ -1126,7 +1126,7 @@ def make_partition(
     ``ConfigError`` listing what is allowed; the partition functions check the
     option values.
     """
-    try:  # built in, 'package.module:function' or an installed plugin (fedcluster.plugins)
+    try:  # built in, 'package.module:function' or an installed plugin (fedcluster.config.plugins)
         func = resolve("partition", name, PARTITIONS)
     except ConfigError as exc:
         raise ConfigError(f"data.partition.name: {exc}") from None

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcluster.config.plugins import resolve
 from fedcluster.data import cifar
 from fedcluster.data.download import EMNIST_OFFICIAL_URL, ENV_MIRROR, download_dataset
 from fedcluster.data.idx import find_idx_file, read_images_and_labels
@@ -38,7 +39,6 @@ from fedcluster.data.leaf import LEAF_FOLDERS, load_leaf, missing_leaf_files
 from fedcluster.data.synthetic import synthetic_federation
 from fedcluster.data.transforms import NORMALISATIONS, normalise_images
 from fedcluster.errors import ConfigError, DataError
-from fedcluster.plugins import resolve
 
 ENV_DATA = "FEDCLUSTER_DATA"
 
@@ -364,7 +364,7 @@ def list_datasets() -> list[str]:
 def _plugin_dataset(
     name: str, loader: Any, data_dir: str | Path | None, seed: int, options: dict[str, Any]
 ) -> Dataset:
-    """A dataset from a plugin (:mod:`fedcluster.plugins`): ``loader(data_dir=..., seed=...,
+    """A dataset from a plugin (:mod:`fedcluster.config.plugins`): ``loader(data_dir=..., seed=...,
     **options)`` returns a :class:`Dataset`."""
     if not callable(loader):
         raise ConfigError(f"dataset {name!r} is {loader!r}, not a function returning a Dataset")
@@ -393,7 +393,7 @@ def load_dataset(
             ``cifar10``, ``digits``, ``mnist5k``, ``synthetic``, ``leaf-femnist`` or
             ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`); or a
             plugin, ``package.module:loader`` or an installed ``fedcluster.datasets``
-            entry point (:mod:`fedcluster.plugins`), called as ``loader(data_dir=root,
+            entry point (:mod:`fedcluster.config.plugins`), called as ``loader(data_dir=root,
             seed=seed, **options)`` and returning a :class:`Dataset`.
         data_dir: the data root (see :func:`resolve_data_dir`); file-based datasets only.
         download: fetch a file-based dataset's missing files into the data root

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedcluster.config.limits import MAX_COUNT
 from fedcluster.data.screen import MAX_CLASSES, MAX_FEATURES
 from fedcluster.errors import ConfigError
-from fedcluster.limits import MAX_COUNT
 from fedcluster.memory import allowed_bytes
 from fedcluster.rng import numpy_rng
 

@@ -1,16 +1,16 @@
 """The client computations several algorithms share: train, the K-model losses, evaluate.
 
-Each is a :class:`~fedcluster.engine.computation.ClientComputation` whose
-batched form uses only its :class:`~fedcluster.engine.client_side.ClientBatch`
+Each is a :class:`~fedcluster.protocol.computation.ClientComputation` whose
+batched form uses only its :class:`~fedcluster.protocol.client_side.ClientBatch`
 (``train``, ``evaluate_models``, ``evaluate``, ``losses_and_grads``: the helpers a
-:class:`~fedcluster.engine.client_side.ClientContext` offers one client, for many):
+:class:`~fedcluster.protocol.client_side.ClientContext` offers one client, for many):
 the simulator's kernels for many clients at once, a Flower node's one-client
 simulator for its client. Algorithm-specific computations live with
 their algorithm (JGL's gradient products in :mod:`fedcluster.algorithms.jgl`,
 CFLGT's trajectory in :mod:`fedcluster.algorithms.cflgt`).
 
 Settings (``Request.settings``): ``train`` (a
-:class:`~fedcluster.engine.batches.LocalTraining`), ``round`` and
+:class:`~fedcluster.protocol.batches.LocalTraining`), ``round`` and
 ``purpose`` (they seed the client's random streams).
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.dp import release_uploads, release_vectors
-from fedcluster.engine.client_side import ClientBatch
-from fedcluster.engine.computation import (
+from fedcluster.privacy.mechanisms import release_uploads, release_vectors
+from fedcluster.protocol.client_side import ClientBatch
+from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
     Release,
@@ -54,7 +54,7 @@ def release_trained(
     request: Request, reply: Payload, clients: np.ndarray, seed: int, start: torch.Tensor
 ) -> Payload:
     """Local DP of the models ``reply["row"]`` trained from ``start`` [n, d]
-    (:func:`fedcluster.dp.release_uploads`), where the client is."""
+    (:func:`fedcluster.privacy.mechanisms.release_uploads`), where the client is."""
     assert request.own_settings is not None
     tickets = [s["ticket"] for s in request.own_settings]
     rows = release_uploads(
@@ -66,7 +66,8 @@ def release_trained(
 def vector_release(field: str, purpose: str) -> Release:
     """The local-DP release of a reply whose ``field`` is one vector per client (CFLGT's
     trajectory, PACFL's subspace): client-level clipping and Gaussian noise where the
-    client is (:func:`fedcluster.dp.release_vectors`), its noise stream named ``purpose``."""
+    client is (:func:`fedcluster.privacy.mechanisms.release_vectors`), its noise stream named
+    ``purpose``."""
 
     def release(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
         assert request.own_settings is not None

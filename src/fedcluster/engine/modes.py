@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fedcluster.config.plugins import import_object
 from fedcluster.errors import ConfigError, FedclusterError
-from fedcluster.plugins import import_object
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(logits [B, C], targets [B]) -> mean loss`` (a scalar), like ``F.cross_entropy``."""
@@ -42,7 +42,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DEFAULT_LOSS = "cross_entropy"
 GIVEN_LOSS = "given:"
 """Prefix of ``train.loss`` for a loss function passed from Python that cannot be
-imported by path (:func:`fedcluster.rebuild.record_loss`)."""
+imported by path (:func:`fedcluster.experiment.rebuild.record_loss`)."""
 
 
 def resolve_loss(name: str) -> LossFn | None:

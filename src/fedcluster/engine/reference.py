@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcluster.data.federation import Federation
-from fedcluster.engine.batches import LocalTraining, augmenter, batch_plan
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, training
+from fedcluster.protocol.batches import LocalTraining, augmenter, batch_plan
 from fedcluster.rng import torch_rng
 
 

@@ -19,10 +19,10 @@ registered computation (the Backend protocol).
 MLPs run through :class:`~fedcluster.engine.mlp_kernel.MLPKernel` on groups of
 clients; any other ``nn.Module`` runs client by client through
 ``torch.func.functional_call`` on a flat row with autograd. Both follow the
-same batch plan (:func:`~fedcluster.engine.batches.batch_plan`) and equal the
+same batch plan (:func:`~fedcluster.protocol.batches.batch_plan`) and equal the
 plain PyTorch loop of :mod:`fedcluster.engine.reference` to float tolerance.
 With ``LocalTraining.dp`` set, ``train`` runs DP-SGD (record-level local
-differential privacy, :mod:`fedcluster.dp`): for any model through
+differential privacy, :mod:`fedcluster.privacy.mechanisms`): for any model through
 per-sample gradients on the autograd path, for MLPs (without momentum) on the
 kernel, which clips per-sample gradients without materialising them; both
 draw the same noise and agree to float tolerance.
@@ -44,11 +44,7 @@ from torch.func import functional_call
 
 from fedcluster.data.federation import Federation
 from fedcluster.data.screen import clients_with
-from fedcluster.dp import gaussian_noise, noisy_clipped_sum, per_sample_gradients
-from fedcluster.engine.batches import LocalTraining, augmenter, batch_plan
-from fedcluster.engine.client_side import ClientData
 from fedcluster.engine.clock import ClientClock
-from fedcluster.engine.computation import ClientComputation, Request, Returned
 from fedcluster.engine.flat import ParamLayout, broadcast_rows
 from fedcluster.engine.gram import GramCache
 from fedcluster.engine.hugepages import RowBlocks
@@ -59,6 +55,10 @@ from fedcluster.engine.precision import float32_products_in, resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.threads import run_on_threads
 from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.privacy.mechanisms import gaussian_noise, noisy_clipped_sum, per_sample_gradients
+from fedcluster.protocol.batches import LocalTraining, augmenter, batch_plan
+from fedcluster.protocol.client_side import ClientData
+from fedcluster.protocol.computation import ClientComputation, Request, Returned
 from fedcluster.rng import torch_rng
 
 StepGradient = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, float]]
@@ -246,7 +246,7 @@ class Simulator(ClientClock):
         """Local SGD for each client from its start row (FedAvg's ClientUpdate).
 
         ``start`` is [n, d] (or [d], broadcast). FedProx's anchor is the start row.
-        Local DP of the upload is the computation's release (:mod:`fedcluster.dp`).
+        Local DP of the upload is the computation's release (:mod:`fedcluster.privacy.mechanisms`).
         """
         clients = np.asarray(clients, dtype=np.int64)
         cfg = cfg.at_round(rnd)
@@ -297,7 +297,7 @@ class Simulator(ClientClock):
         client's whole data, i.e. ``batch_size`` at least every client's size), else
         ``None``. A client of n > 0 samples then takes ``steps`` batches (``epochs``
         without ``steps``: one per epoch), each a permutation of all n samples
-        (:func:`~fedcluster.engine.batches.batch_plan`), which the route does not need.
+        (:func:`~fedcluster.protocol.batches.batch_plan`), which the route does not need.
         """
         plain = cfg.plain_step and cfg.dp is None and cfg.augment == "none"
         if self.kernel is None or not plain or classifier_only:
@@ -450,7 +450,7 @@ class Simulator(ClientClock):
         """DP-SGD (Abadi et al. 2016, Alg. 1) for any model, client by client.
 
         Per-sample gradients by ``vmap(grad(...))``
-        (:func:`~fedcluster.dp.per_sample_gradients`), each clipped to
+        (:func:`~fedcluster.privacy.mechanisms.per_sample_gradients`), each clipped to
         ``dp.clip``, summed, plus N(0, σ²C²) noise, divided by the expected batch
         size q·n (Poisson plan) or by the batch's size (shuffled plan, where it
         is fixed: with σ = 0 and a large clip this is plain SGD).

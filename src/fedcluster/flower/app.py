@@ -32,6 +32,7 @@ ServerApp runs (:func:`fedcluster.flower.server._deployed`).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -39,8 +40,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedcluster.config import DeploymentConfig, ExperimentConfig, dump_config, resolve_config
-from fedcluster.errors import ConfigError
+from fedcluster.config.schema import DeploymentConfig, ExperimentConfig, dump_config, resolve_config
+from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.flower.nodedata import NodeManifest, read_manifest
 
 EXPERIMENT = "experiment.yaml"
@@ -195,3 +196,19 @@ def config_from_run(
             raise ConfigError(f"run config 'manifest': {manifest} not found in the app folder")
         expected = read_manifest(file)
     return config, str(run_config.get("out") or f"runs/{config.name}-flower"), expected
+
+
+def read_status(run: Path) -> dict[str, str]:
+    """The final status a deployed run's ServerApp wrote; a one-line error when there is none."""
+    path = run / STATUS
+    if not path.is_file():
+        raise FedclusterError(
+            f"{run}: no final status ({path.name}): the ServerApp is still running or "
+            "ended without writing it; see flwr-run.log (fedcluster flower local: "
+            f"{run / 'deployment' / 'flwr-run.log'}) or `flwr ls`"
+        )
+    try:
+        status = json.loads(path.read_text())
+        return {"status": str(status["status"]), "reason": str(status.get("reason", ""))}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FedclusterError(f"{path}: not a run status ({exc})") from None

@@ -7,8 +7,8 @@ one client named by its ``partition-id``, whose data it builds from the
 experiment config carried in each message (the config's dataset and
 partition, as the simulator does). Each client's data and model are loaded
 once per process. Every request names a registered client computation
-(:mod:`fedcluster.engine.computation`), the module that defines it, and the
-clients it is for (:func:`fedcluster.flower.protocol.split_clients`); one
+(:mod:`fedcluster.protocol.computation`), the module that defines it, and the
+clients it is for (:func:`fedcluster.flower.messages.split_clients`); one
 generic handler runs it for each of them on that client's one-client
 :class:`~fedcluster.engine.simulator.Simulator` -- with the client's global
 id seeding its batches, so both backends compute the same numbers (to float
@@ -33,13 +33,13 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
-from fedcluster.config import validate_config
+from fedcluster.config.schema import validate_config
 from fedcluster.data.drift import DriftEvent, DriftReplay
-from fedcluster.engine.computation import lookup_computation
 from fedcluster.engine.simulator import Simulator
-from fedcluster.flower import protocol
-from fedcluster.runner import build_federation_for, model_for, simulator_for
-from fedcluster.scenario import Scenario, flip_labels
+from fedcluster.experiment.runner import build_federation_for, model_for, simulator_for
+from fedcluster.experiment.scenario import Scenario, flip_labels
+from fedcluster.flower import messages
+from fedcluster.protocol.computation import lookup_computation
 
 client_app = ClientApp()
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def setup(msg: Message, context: Context) -> Message:
 
 
 def _setup(msg: Message, context: Context) -> Message:
-    config = protocol.settings(msg.content)
+    config = messages.settings(msg.content)
     experiment, seed = str(config["experiment"]), int(config["seed"])
     data = context.node_config.get("data")
     manifest = None
@@ -134,13 +134,13 @@ def _setup(msg: Message, context: Context) -> Message:
     else:
         clients = [int(context.node_config["partition-id"])]
     info: dict[str, Any] = {
-        protocol.CLIENTS: clients,
+        messages.CLIENTS: clients,
         "n_clients": -1 if manifest is None or manifest.n_clients is None else manifest.n_clients,
     }
     if manifest is not None:
         info.update(n_classes=manifest.n_classes, input_shape=list(manifest.input_shape))
     for j, client in enumerate(clients):
-        head = protocol.prefix(j)
+        head = messages.prefix(j)
         if manifest is not None:
             file = folder / manifest.clients[client]["file"]
             info[head + "file"] = file.name
@@ -158,7 +158,7 @@ def _setup(msg: Message, context: Context) -> Message:
                     head + "train_size": entry["train_size"],
                     head + "test_size": entry["test_size"],
                     head + "group": -1 if entry["group"] is None else entry["group"],
-                    head + protocol.ERROR: _error(exc, context),
+                    head + messages.ERROR: _error(exc, context),
                 }
             )
             continue
@@ -171,28 +171,28 @@ def _setup(msg: Message, context: Context) -> Message:
         )
         info.setdefault("n_classes", int(fed.n_classes))
         info.setdefault("input_shape", [int(s) for s in fed.input_shape])
-    return _answer(msg, protocol.reply({}, info))
+    return _answer(msg, messages.reply({}, info))
 
 
 def _compute(msg: Message, context: Context) -> Message:
     """Run the registered computation the message names on each client it names.
 
     The node runs exactly the function the simulator runs (its batched form,
-    given a :class:`~fedcluster.engine.client_side.ClientBatch` of the client's
+    given a :class:`~fedcluster.protocol.client_side.ClientBatch` of the client's
     one-client federation), so both compute the same numbers;
     under local DP the upload is released here, before it leaves the node. A
     client that fails (e.g. its data file is corrupt) answers with its error;
     the message's other clients are unaffected.
     """
-    config = protocol.settings(msg.content)
+    config = messages.settings(msg.content)
     experiment, seed = str(config["experiment"]), int(config["seed"])
     computation = lookup_computation(
         str(config["computation"]), str(config.get("computation_module", "")) or None
     )
     replies: list[dict[str, torch.Tensor] | str] = []
-    drift = protocol.decode_drift(str(config[protocol.DRIFT])) if protocol.DRIFT in config else {}
-    for client, request in protocol.split_clients(
-        protocol.tensors(msg.content), dict(config.items())
+    drift = messages.decode_drift(str(config[messages.DRIFT])) if messages.DRIFT in config else {}
+    for client, request in messages.split_clients(
+        messages.tensors(msg.content), dict(config.items())
     ):
         try:
             sim = _simulator(context, experiment, seed, client)
@@ -203,7 +203,7 @@ def _compute(msg: Message, context: Context) -> Message:
             replies.append(_error(exc, context))
             continue
         replies.append({k: v[0] for k, v in reply.items()})
-    return _answer(msg, protocol.encode_replies(replies))
+    return _answer(msg, messages.encode_replies(replies))
 
 
 @client_app.train()

@@ -13,7 +13,7 @@ caller treats the other missing clients like the simulator's failing ones
 
 Replies are matched to requests by message id (``reply_to_message_id``). The
 Flower backend sends one message per node, carrying all the node's clients
-asked (:mod:`fedcluster.flower.protocol`), and counts ``min_replies`` over the
+asked (:mod:`fedcluster.flower.messages`), and counts ``min_replies`` over the
 clients itself (:func:`check_enough`): a node's reply may hold some of its
 clients' errors. The grid is polled with a short,
 growing interval (from 20 ms to 0.5 s) instead of ``Grid.send_and_receive``'s

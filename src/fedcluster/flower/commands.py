@@ -10,7 +10,6 @@ the deployed ServerApp wrote (:data:`fedcluster.flower.app.STATUS`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +20,7 @@ from fedcluster.errors import FedclusterError
 
 def flower_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """Run ``fedcluster flower <args.flower_command>``; the exit code."""
-    from fedcluster.config import resolve_config
+    from fedcluster.config.schema import resolve_config
 
     if args.flower_command == "status":
         return run_status(Path(args.run))
@@ -39,7 +38,7 @@ def flower_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         print(f"fedcluster: Flower App written to {folder}; run it with `flwr run {folder} <conn>`")
         return 0
     if args.flower_command == "local":
-        from fedcluster.cli import _print_summary
+        from fedcluster.experiment.summary import print_summary
         from fedcluster.flower.launcher import run_local
 
         out = Path(args.out or f"runs/{config.name}-local-{datetime.now():%Y%m%d-%H%M%S}")
@@ -52,31 +51,15 @@ def flower_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             timeout=args.timeout,
             isolation=args.isolation,
         )
-        _print_summary(out)
+        print_summary(out)
         return 0
     raise FedclusterError(f"unknown flower command {args.flower_command!r}")
 
 
-def read_status(run: Path) -> dict[str, str]:
-    """The final status a deployed run's ServerApp wrote; a one-line error when there is none."""
-    from fedcluster.flower.app import STATUS
-
-    path = run / STATUS
-    if not path.is_file():
-        raise FedclusterError(
-            f"{run}: no final status ({path.name}): the ServerApp is still running or "
-            "ended without writing it; see flwr-run.log (fedcluster flower local: "
-            f"{run / 'deployment' / 'flwr-run.log'}) or `flwr ls`"
-        )
-    try:
-        status = json.loads(path.read_text())
-        return {"status": str(status["status"]), "reason": str(status.get("reason", ""))}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FedclusterError(f"{path}: not a run status ({exc})") from None
-
-
 def run_status(run: Path) -> int:
     """``fedcluster flower status RUN``: print the outcome; 0 completed, 1 failed."""
+    from fedcluster.flower.app import read_status
+
     status = read_status(run)
     if status["status"] == "completed":
         print(f"{run}: completed")

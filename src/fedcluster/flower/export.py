@@ -1,7 +1,7 @@
 """``fedcluster flower export``: an experiment's federation as node-local files.
 
 Builds the federation of one seed exactly as the simulator does
-(:func:`fedcluster.runner.build_federation_for`: the config's dataset and
+(:func:`fedcluster.experiment.runner.build_federation_for`: the config's dataset and
 partition) and writes one file per client plus ``manifest.json``
 (:mod:`fedcluster.flower.nodedata`). With ``nodes`` it also writes
 ``node-K/`` folders, each with only its clients' files and a manifest that
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster.config import ExperimentConfig
+from fedcluster.config.schema import ExperimentConfig
 from fedcluster.errors import FedclusterError
 from fedcluster.flower.nodedata import NodeManifest, read_manifest, save_client, write_manifest
 
@@ -33,7 +33,7 @@ def export_federation(
 ) -> NodeManifest:
     """Write every client's data of ``config``'s federation for ``seed`` (default:
     the config's first seed) to ``out``; the manifest written."""
-    from fedcluster.runner import build_federation_for
+    from fedcluster.experiment.runner import build_federation_for
 
     seed = config.seeds[0] if seed is None else seed
     out = Path(out)

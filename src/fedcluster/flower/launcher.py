@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from fedcluster.config import ExperimentConfig
+from fedcluster.config.schema import ExperimentConfig
 from fedcluster.errors import FedclusterError
-from fedcluster.flower.app import STATUS, write_app
-from fedcluster.flower.commands import read_status
+from fedcluster.flower.app import STATUS, read_status, write_app
 from fedcluster.flower.export import export_federation, spread_clients
 from fedcluster.flower.nodedata import write_manifest
 

@@ -261,8 +261,8 @@ def node_simulator(path: str, experiment: str, seed: int, client: int) -> Simula
     """
     import yaml
 
-    from fedcluster.config import validate_config
-    from fedcluster.runner import model_for, simulator_for
+    from fedcluster.config.schema import validate_config
+    from fedcluster.experiment.runner import model_for, simulator_for
 
     check_seed(path, seed)
     own = load_node_client(path, client)

@@ -1,8 +1,8 @@
 """The ServerApp: fedcluster's runner driving Flower nodes.
 
-:func:`flower_experiment` is the runner's :class:`~fedcluster.runner.Experiment`
+:func:`flower_experiment` is the runner's :class:`~fedcluster.experiment.runner.Experiment`
 with one change, given as its backend factory (:class:`FlowerBackends`): its
-backend is a :class:`~fedcluster.flower.backend.FlowerBackend` on the
+backend is a :class:`~fedcluster.flower.flower_backend.FlowerBackend` on the
 ServerApp's grid, and it learns each seed's federation from the nodes
 (``query.setup``). Everything else -- the algorithms, metrics, run directory,
 checkpoints -- is the simulator's, so a run through Flower writes the same
@@ -35,13 +35,15 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
-from fedcluster.callbacks import Callback, JobInfo
-from fedcluster.config import ExperimentConfig, dump_config
-from fedcluster.engine.backend import FederationView
+from fedcluster.config.schema import ExperimentConfig, dump_config
 from fedcluster.errors import ConfigError, FedclusterError
-from fedcluster.flower import protocol
+from fedcluster.experiment.callbacks import Callback, JobInfo
+from fedcluster.experiment.runner import Experiment, JobResult
+from fedcluster.flower import messages
 from fedcluster.flower.app import STATUS
-from fedcluster.flower.backend import (
+from fedcluster.flower.client import client_app
+from fedcluster.flower.collect import TooFewReplies, required
+from fedcluster.flower.flower_backend import (
     FIRST_TIMEOUT_FLOORS,
     FederationInfo,
     Fleet,
@@ -49,10 +51,8 @@ from fedcluster.flower.backend import (
     describe_missing,
     discover,
 )
-from fedcluster.flower.client import client_app
-from fedcluster.flower.collect import TooFewReplies, required
 from fedcluster.flower.nodedata import NodeManifest
-from fedcluster.runner import Experiment, JobResult
+from fedcluster.protocol.backend import FederationView
 
 
 def check_supported(config: ExperimentConfig) -> None:
@@ -72,10 +72,10 @@ def check_supported(config: ExperimentConfig) -> None:
 
 
 class FlowerBackends:
-    """The Flower backend factory of :class:`~fedcluster.runner.Experiment`: each seed's
+    """The Flower backend factory of :class:`~fedcluster.experiment.runner.Experiment`: each seed's
     federation as the nodes report it (``query.setup``), and a backend sending the
     client computations to those nodes. ``expected`` is the server's manifest of the
-    exported data (:func:`~fedcluster.flower.backend.discover`)."""
+    exported data (:func:`~fedcluster.flower.flower_backend.discover`)."""
 
     name = "flower"
 
@@ -115,7 +115,7 @@ class FlowerBackends:
         need = required(n, self.deployment.min_replies)
         if n - len(missing) < need:
             raise TooFewReplies(
-                f"{protocol.SETUP}: {n - len(missing)} of the federation's {n} clients are "
+                f"{messages.SETUP}: {n - len(missing)} of the federation's {n} clients are "
                 f"within reach, {need} needed (deployment.min_replies="
                 f"{self.deployment.min_replies:g}); missing: {describe_missing(missing)}"
             )

@@ -8,10 +8,10 @@ of classes (at most :data:`~fedcluster.data.screen.MAX_CLASSES`: the server
 builds the model's output layer from it) and input shape (at most
 :data:`~fedcluster.data.screen.MAX_FEATURES` values per sample). Anything else
 is a :class:`BadReport`, one line, and the node is left out of the federation
-(:func:`fedcluster.flower.backend.discover`).
+(:func:`fedcluster.flower.flower_backend.discover`).
 
 A computation's reply field that reports a client's sample count
-(:attr:`~fedcluster.engine.computation.ReplyField.samples`, e.g. the
+(:attr:`~fedcluster.protocol.computation.ReplyField.samples`, e.g. the
 evaluation's ``count``) must equal the size the server agreed to at setup
 (the server's manifest, or the node's own ``query.setup``): :func:`wrong_count`.
 Without it one node could weight the federation's accuracy with counts of its
@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcluster.config.limits import MAX_COUNT
 from fedcluster.data.screen import MAX_CLASSES, MAX_FEATURES
-from fedcluster.engine.computation import ClientComputation, Request
 from fedcluster.errors import FedclusterError
-from fedcluster.flower import protocol
-from fedcluster.limits import MAX_COUNT
+from fedcluster.flower import messages
+from fedcluster.protocol.computation import ClientComputation, Request
 
 MAX_CLIENT_SAMPLES = MAX_COUNT
 """The most samples per client and split a node may report."""
@@ -74,7 +74,7 @@ def _parts(content: Any) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]
         if content is None or record not in content:
             raise BadReport(f"the reply has no {record!r} record")
     try:
-        return protocol.tensors(content), protocol.settings(content)
+        return messages.tensors(content), messages.settings(content)
     except (AssertionError, TypeError, ValueError) as exc:
         raise BadReport(f"the reply's records are unreadable ({exc})") from None
 
@@ -82,11 +82,11 @@ def _parts(content: Any) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]
 def setup_report(content: Any) -> SetupReport:
     """The checked ``query.setup`` reply of a node (its message's content)."""
     _, info = _parts(content)
-    if protocol.CLIENTS not in info:
-        raise BadReport(f"the reply has no {protocol.CLIENTS!r}")
-    raw = info[protocol.CLIENTS]
+    if messages.CLIENTS not in info:
+        raise BadReport(f"the reply has no {messages.CLIENTS!r}")
+    raw = info[messages.CLIENTS]
     if not isinstance(raw, list):
-        raise BadReport(f"{protocol.CLIENTS!r} is {raw!r}, not a list of client ids")
+        raise BadReport(f"{messages.CLIENTS!r} is {raw!r}, not a list of client ids")
     ids = [_integer(c, "a client id", 0, MAX_COUNT) for c in raw]
     if len(set(ids)) != len(ids):
         raise BadReport(f"client ids repeat: {ids}")
@@ -103,7 +103,7 @@ def setup_report(content: Any) -> SetupReport:
         shape = (n_classes, tuple(dims))
     clients = []
     for j, c in enumerate(ids):
-        head = protocol.prefix(j)
+        head = messages.prefix(j)
         one = {k[len(head) :]: v for k, v in info.items() if k.startswith(head)}
         for size in ("train_size", "test_size"):
             if size not in one:
@@ -120,7 +120,7 @@ def replies_of(content: Any, n: int) -> list[dict[str, torch.Tensor] | str]:
     or :class:`BadReport` when the message is malformed."""
     _parts(content)
     try:
-        return protocol.decode_replies(content, n)
+        return messages.decode_replies(content, n)
     except (AssertionError, KeyError, TypeError, ValueError) as exc:
         raise BadReport(f"the reply is unreadable ({exc})") from None
 
@@ -134,7 +134,7 @@ def wrong_count(
 ) -> str | None:
     """Why a client's ``reply`` reports another sample count than ``sizes`` (the
     client's ``{"train": n, "test": m}`` as agreed at setup); ``None`` when it does not
-    (or the reply lacks the field: :func:`~fedcluster.engine.computation.assemble`
+    (or the reply lacks the field: :func:`~fedcluster.protocol.computation.assemble`
     rejects that)."""
     split = str(request.settings_of(position).get("split", "test"))
     for name, spec in computation.reply.items():

@@ -1,12 +1,6 @@
-"""Reports of runs: ``report.html`` (self-contained) and ``report.md`` with PNGs, from run dirs.
-
-``fedcluster report RUN [RUN ...]`` and the end of ``run`` / ``compare`` /
-``resume`` call :func:`write_report`. The report reads only the run
-directory's files (:mod:`fedcluster.reporting.rundata`), draws the figures
-with matplotlib's Agg canvas, not pyplot (:mod:`fedcluster.reporting.figures`), decides
-which sections the runs have content for (:mod:`fedcluster.reporting.document`)
-and writes both formats (:mod:`fedcluster.reporting.writers`). Several run
-directories give one comparison report. docs/reports.md describes each section.
+"""The run report: reads run directories, builds the document's sections and
+figures and writes HTML/Markdown. It may import ``experiment`` and every layer below it,
+never ``flower`` or the entry points.
 """
 
 from __future__ import annotations

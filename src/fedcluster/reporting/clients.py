@@ -1,4 +1,5 @@
-"""The report's per-client views, from ``clients.csv`` (:mod:`fedcluster.client_results`).
+"""The report's per-client views, from ``clients.csv``
+(:mod:`fedcluster.experiment.client_results`).
 
 Clustered FL is judged by how each client fares, not only by the pooled mean:
 per-group accuracy (does every hidden group get a model that fits it?), the
@@ -18,7 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from fedcluster.client_results import read_clients
+from fedcluster.experiment.client_results import read_clients
 from fedcluster.reporting.figures import _subplots
 from fedcluster.reporting.rundata import RunData
 

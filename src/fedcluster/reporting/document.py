@@ -3,12 +3,12 @@
 :func:`build_sections` decides what a set of runs shows: accuracy, clustering
 quality (purity as in JGL Sec. III-A-3, ARI, cluster count) and assignment
 heatmaps only when some algorithm clusters, ε only when local DP was on
-(:mod:`fedcluster.privacy`), the events timeline only when ``events.csv`` has
-rows (a dynamic federation, :mod:`fedcluster.scenario`), algorithm diagnostics
+(:mod:`fedcluster.privacy.ledger`), the events timeline only when ``events.csv`` has
+rows (a dynamic federation, :mod:`fedcluster.experiment.scenario`), algorithm diagnostics
 only when ``diagnostics.csv`` has rows, per-group accuracy, the worst clients
 and accuracy against cluster size when ``clients.csv`` has rows, the test-time
 cluster choices only when
-``assign.csv`` has rows (:mod:`fedcluster.cluster_choice`). The writers
+``assign.csv`` has rows (:mod:`fedcluster.experiment.cluster_choice`). The writers
 (:mod:`fedcluster.reporting.writers`) render the same sections as HTML and
 Markdown.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from fedcluster.report import summary_rows
+from fedcluster.experiment.summary import summary_rows
 from fedcluster.reporting import clients, figures
 from fedcluster.reporting.rundata import RunData
 
@@ -113,7 +113,9 @@ def build_sections(runs: list[RunData]) -> list[Section]:
         out.append(section)
     out += _client_sections(runs)
     if any(r.assign for r in runs):
-        from fedcluster.cluster_choice import summarise  # imports torch: only when needed
+        from fedcluster.experiment.cluster_choice import (
+            summarise,  # imports torch: only when needed
+        )
 
         choices = [(r.name if len(runs) > 1 else "", summarise(r.assign)) for r in runs if r.assign]
         out.append(
@@ -123,7 +125,7 @@ def build_sections(runs: list[RunData]) -> list[Section]:
                 "fedcluster assign --record: per algorithm and true group of the devices, the "
                 "mean accuracy of the cluster model each rule chose (entropy, confidence: "
                 "without labels; loss: with labels), and how often a label-free rule chose the "
-                "labelled rule's model (fedcluster.cluster_choice).",
+                "labelled rule's model (fedcluster.experiment.cluster_choice).",
                 tables=choices,
             )
         )

@@ -3,7 +3,7 @@
 Each function takes the report's entries (one per algorithm of each run) and
 returns a :class:`matplotlib.figure.Figure`, or None when the runs hold nothing
 to draw; :func:`png` turns a figure into PNG bytes. Accuracy, purity and ARI
-are the columns of :mod:`fedcluster.metrics` (purity as in JGL Sec. III-A-3);
+are the columns of :mod:`fedcluster.experiment.metrics` (purity as in JGL Sec. III-A-3);
 a band is the min–max over seeds around their mean.
 
 Figures are :class:`matplotlib.figure.Figure` objects on an Agg canvas, made

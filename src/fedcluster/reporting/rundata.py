@@ -3,7 +3,7 @@
 Only the files a run writes are read (``config.yaml``, ``metrics.csv``,
 ``clusters.csv``, ``events.csv``, ``diagnostics.csv``, ``select_k.csv``, ``summary.json``,
 and ``assign.csv`` where ``fedcluster assign --record`` wrote one; see
-:class:`fedcluster.runner.RunDirectory` and :mod:`fedcluster.metrics` for the
+:class:`fedcluster.experiment.runner.RunDirectory` and :mod:`fedcluster.experiment.metrics` for the
 columns), so a report can be made of a run copied from another machine,
 without its data or the package version that wrote it.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster import safeyaml
+from fedcluster.config import safeyaml
 from fedcluster.errors import FedclusterError
 
 

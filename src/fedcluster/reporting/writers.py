@@ -11,9 +11,9 @@ import base64
 import html
 from pathlib import Path
 
-from fedcluster.report import format_table
+from fedcluster.experiment.safefiles import write_atomic
+from fedcluster.experiment.summary import format_table
 from fedcluster.reporting.document import Section
-from fedcluster.safefiles import write_atomic
 
 _CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em;

@@ -1,0 +1,3 @@
+"""The bundled experiment presets (``<name>.yaml``), read by
+:func:`fedcluster.config.schema.load_preset`.
+"""

@@ -1,0 +1,158 @@
+"""Jobs in parallel: a run's (algorithm, seed) jobs over local worker processes.
+
+A run, a compare or a sweep is a list of independent jobs, one per seed ×
+algorithm entry (a sweep's settings are labelled entries). With ``jobs: N``
+(``--jobs N``) they run over N worker processes of a
+``concurrent.futures.ProcessPoolExecutor`` (spawn context: no forked torch
+threads), each process limited to its share of the CPUs
+(``torch.set_num_threads(max(1, cores // N))``) while its simulator keeps the
+driver's thread count for the MLP kernel's client groups (a client's float
+rounding depends on its group's shapes, :class:`~fedcluster.experiment.runner.SimulatorFactory`).
+
+Every job is computed exactly as in a sequential run: all randomness is
+derived from (seed, purpose, round, client) (:mod:`fedcluster.rng`) and each
+job builds its seed's federation, model and initial row from the config, so
+its rows are the sequential run's. Each worker writes its job's rows,
+checkpoints and artifacts into the run directory itself (the tables under
+:meth:`~fedcluster.experiment.rundir.RunDirectory.tables_locked`), and the driver puts the
+rows in the sequential order (job, then round) at the end, writes the
+summary and the report: the run directory equals a sequential run's, timing
+columns aside. A killed parallel run resumes job by job from each job's own
+checkpoint, with any number of jobs.
+
+A callback passed from Python runs where its job runs: ``on_job_start``,
+``on_round_end`` and ``on_job_end`` on a copy in the job's worker process,
+``on_run_start`` and ``on_run_end`` in the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedcluster.config.schema import ExperimentConfig
+from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.experiment.callbacks import Callback, RunInfo
+from fedcluster.experiment.rundir import JobResult, RunDirectory, run_directory_callbacks
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fedcluster.data.federation import Federation
+    from fedcluster.engine.modes import LossFn
+    from fedcluster.experiment.runner import Experiment
+
+
+def threads_per_job(jobs: int) -> int:
+    """Torch threads of each of ``jobs`` worker processes: the CPUs this process may
+    use, shared equally (at least one)."""
+    return max(1, len(os.sched_getaffinity(0)) // jobs)
+
+
+def run_jobs(
+    experiment: Experiment, run: RunInfo, last: int, device: torch.device, progress: bool
+) -> list[JobResult]:
+    """Run every job of ``experiment`` over ``config.jobs`` worker processes; the results
+    in the sequential order (seed, then algorithm entry)."""
+    from fedcluster.experiment.runner import SimulatorFactory
+
+    cfg = experiment.config
+    if not isinstance(experiment.backend_factory, SimulatorFactory):
+        raise ConfigError(
+            "jobs: jobs run in parallel on the simulator backend only (backend: simulator)"
+        )
+    order = [(seed, i) for seed in cfg.seeds for i in range(len(cfg.algorithms))]
+    n = min(cfg.jobs, len(order))
+    given = _picklable(
+        experiment._model, experiment._federation, experiment.backend_factory.loss, experiment
+    )
+    threads = (threads_per_job(n), torch.get_num_threads())
+    task = _JobTask(cfg, *given, run.path, run.resume, last, device, threads)
+    context = get_context("spawn")
+    with ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
+        futures: list[Future[JobResult]] = [pool.submit(task, seed, i) for seed, i in order]
+        try:
+            results = []
+            for (seed, i), future in zip(order, futures, strict=True):
+                results.append(future.result())
+                if progress:
+                    label = cfg.algorithms[i].display_name()
+                    print(f"fedcluster: job {label} seed {seed} done", flush=True)
+            return results
+        except BrokenProcessPool:
+            raise FedclusterError(
+                f"a job's worker process died (killed, or out of memory); "
+                f"`fedcluster resume {run.path}` continues every job from its last checkpoint"
+            ) from None
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def _picklable(
+    model: nn.Module | None,
+    federation: Federation | None,
+    loss: LossFn | None,
+    experiment: Experiment,
+) -> tuple[nn.Module | None, Federation | None, LossFn | None, list[Callback]]:
+    """What the workers receive besides the config, checked to cross a process boundary."""
+    given = (model, federation, loss, experiment.callbacks)
+    for name, obj in zip(("model", "federation", "loss", "callbacks"), given, strict=True):
+        try:
+            pickle.dumps(obj)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"jobs: the {name} passed from Python cannot be sent to a worker process "
+                f"({exc}); run with jobs: 1"
+            ) from None
+    return given
+
+
+class _JobTask:
+    """One job, run in a worker process (picklable: the pool sends it there)."""
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: nn.Module | None,
+        federation: Federation | None,
+        loss: LossFn | None,
+        callbacks: list[Callback],
+        path: Path,
+        resume: bool,
+        last: int,
+        device: torch.device,
+        threads: tuple[int, int],
+    ) -> None:
+        self.config = config.model_copy(update={"jobs": 1})
+        self.model, self.federation, self.loss = model, federation, loss
+        self.callbacks = callbacks
+        self.path, self.resume, self.last = path, resume, last
+        self.device, self.threads = device, threads
+
+    def __call__(self, seed: int, index: int) -> JobResult:
+        from fedcluster.experiment.runner import Experiment, Job, SimulatorFactory
+
+        share, driver = self.threads
+        torch.set_num_threads(share)
+        experiment = Experiment(self.config, self.model, self.federation, loss=self.loss)
+        # the driver's simulator threads: the MLP kernel's client groups (and so every
+        # client's rounding) are the sequential run's
+        experiment.backend_factory = SimulatorFactory(experiment.config, self.loss, driver)
+        cfg = experiment.config
+        rundir = RunDirectory(self.path)
+        callbacks = [
+            *run_directory_callbacks(rundir, cfg, self.last, progress=False),
+            *self.callbacks,
+        ]
+        run = RunInfo(rundir.path, cfg, self.resume)
+        setting, dynamics = experiment.seed_setting(seed, self.device)
+        job = Job(experiment, run, cfg.algorithms[index], seed, setting, dynamics)
+        return job.run(rundir, self.resume, self.last, callbacks)
