@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from fedcluster.config.schema import DriftKind
+from fedcluster.data.dataset import Dataset
 from fedcluster.data.federation import Federation
 from fedcluster.data.partitions import Partition, _apportion, _dirichlet_per_client, _draw_by_counts
-from fedcluster.data.sources import Dataset
 from fedcluster.data.transforms import rotate_images
 from fedcluster.errors import ConfigError
 

@@ -18,8 +18,8 @@ import torch
 from fedcluster.data.transforms import rotate_images
 
 if TYPE_CHECKING:
+    from fedcluster.data.dataset import Dataset
     from fedcluster.data.partitions import Partition
-    from fedcluster.data.sources import Dataset
 
 
 @dataclass

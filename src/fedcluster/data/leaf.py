@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcluster.data.dataset import Dataset, Split
 from fedcluster.errors import ConfigError, DataError
 
 FEMNIST_CLASSES = tuple("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
@@ -265,15 +266,13 @@ def _positive_int(name: str, option: str, value: Any, low: int) -> int:
     return int(value)
 
 
-def load_leaf(name: str, root: Path, options: dict[str, Any]) -> Any:
-    """The ``leaf-femnist`` / ``leaf-sent140`` :class:`~fedcluster.data.sources.Dataset`.
+def load_leaf(name: str, root: Path, options: dict[str, Any]) -> Dataset:
+    """The ``leaf-femnist`` / ``leaf-sent140`` :class:`~fedcluster.data.dataset.Dataset`.
 
     Raises:
         ConfigError: an unknown or bad option.
         DataError: the files are missing or malformed (the message names the file).
     """
-    from fedcluster.data.sources import Dataset, Split
-
     allowed = {
         "leaf-femnist": {"n_classes"},
         "leaf-sent140": {"seq_len", "vocab_size", "vocab_file"},

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from fedcluster.data.dataset import Dataset
 from fedcluster.data.partitions import Partition, _hold_out, _int_option
-from fedcluster.data.sources import Dataset
 from fedcluster.errors import ConfigError
 
 NATURAL = "natural"

@@ -32,6 +32,7 @@ import torch
 
 from fedcluster.config.plugins import resolve
 from fedcluster.data import cifar
+from fedcluster.data.dataset import Dataset, Split
 from fedcluster.data.download import EMNIST_OFFICIAL_URL, ENV_MIRROR, download_dataset
 from fedcluster.data.idx import find_idx_file, read_images_and_labels
 from fedcluster.data.integrity import warn_if_modified
@@ -59,46 +60,6 @@ _FASHION_CLASSES = (
     "Bag",
     "Ankle boot",
 )
-
-
-@dataclass(frozen=True)
-class Split:
-    """One pool of samples.
-
-    Attributes:
-        x: float32; images ``[N, C, H, W]`` scaled to [0, 1] (CIFAR-10: normalised
-            as its ``normalize`` option says), tabular data ``[N, F]``.
-        y: int64 ``[N]``, labels ``0..n_classes-1``.
-    """
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Dataset:
-    """A loaded dataset.
-
-    Attributes:
-        name: the name it was loaded by.
-        train: the training pool (for single-pool sources: the only pool).
-        test: the test pool, or None when the source has a single pool (EMNIST
-            without its train files, ``digits``, ``mnist5k``, ``synthetic``);
-            partitions then hold out per-client test sets from ``train``.
-        classes: class names, index = label.
-        client_sizes: for inherently federated sources (``synthetic``) the
-            number of samples of each client, whose samples are consecutive rows
-            of ``train`` in client order; None otherwise.
-    """
-
-    name: str
-    train: Split
-    test: Split | None
-    classes: tuple[str, ...]
-    client_sizes: np.ndarray | None = None
-    test_client_sizes: np.ndarray | None = None
-    """For federated sources with their own test split (LEAF): each client's test
-    samples, consecutive rows of ``test`` in client order; None otherwise."""
 
 
 def user_cache_dir() -> Path:
