@@ -467,8 +467,14 @@ def jgl_emnist_table(
             f"partition option 'n_clusters': {n_clusters} clusters of {classes_per_cluster} "
             f"of {n_classes} classes would repeat a cluster's class set"
         )
-    table = np.zeros((n_clusters, n_classes), dtype=np.int64)
-    for c in range(n_classes):
+    return _split_among_holders(holds, counts)
+
+
+def _split_among_holders(holds: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each class's ``counts[c]`` split equally among the clusters holding it (``holds``
+    [K, C]), the remainder going one each to the last holders."""
+    table = np.zeros(holds.shape, dtype=np.int64)
+    for c in range(holds.shape[1]):
         holders = np.flatnonzero(holds[:, c])
         if holders.size == 0:
             continue
@@ -525,34 +531,13 @@ def cluster_table(
     relabel = _bool_option("relabel", relabel)
     counts_table = _resolve_table(table, y_train)
     n_clusters, n_classes = counts_table.shape
-    top = int(max(y_train.max(initial=-1), -1 if y_test is None else y_test.max(initial=-1)))
-    if top >= n_classes:
-        raise ConfigError(
-            f"partition option 'table' has {n_classes} class columns but the labels reach {top}"
-        )
+    _check_columns(n_classes, y_train, y_test)
     per_cluster = _clients_per_cluster(clients_per_cluster, n_clusters)
-    if scale is not None and samples_per_client is not None:
-        raise ConfigError("partition options 'scale' and 'samples_per_client' exclude each other")
-    if scale is not None:
-        counts_table = np.rint(counts_table * _float_option("scale", scale, 0.0)).astype(np.int64)
-    elif samples_per_client is not None:
-        size = _int_option("samples_per_client", samples_per_client)
-        counts_table = _apportion(counts_table, size * per_cluster)
+    counts_table = _sized_table(counts_table, per_cluster, scale, samples_per_client)
     _choice("shortage", shortage, ("shrink", "error"))
     counts_table = _fit_to_pool(counts_table, _class_counts(y_train, n_classes), shortage)
-
-    client_counts, offset = [], 0
-    for k in range(n_clusters):
-        m = int(per_cluster[k])
-        share, extra = np.divmod(counts_table[k], m)
-        rows = np.tile(share, (m, 1))
-        for c in range(n_classes):
-            rows[(offset + np.arange(extra[c])) % m, c] += 1
-            offset = (offset + int(extra[c])) % m
-        client_counts.append(rows)
-    counts = np.concatenate(client_counts)
     groups = np.repeat(np.arange(n_clusters), per_cluster)
-    train = _draw_by_counts(y_train, counts, rng, "table")
+    train = _draw_by_counts(y_train, _client_counts(counts_table, per_cluster), rng, "table")
 
     label_maps = None
     if relabel:
@@ -560,6 +545,49 @@ def cluster_table(
         maps = np.where(held, np.cumsum(held, axis=1) - 1, -1)
         label_maps = maps[groups]
     return _finish(train, y_train, y_test, rng, test, groups=groups, label_maps=label_maps)
+
+
+def _check_columns(n_classes: int, y_train: np.ndarray, y_test: np.ndarray | None) -> None:
+    """A one-line error when a label has no column in the cluster table."""
+    top = int(max(y_train.max(initial=-1), -1 if y_test is None else y_test.max(initial=-1)))
+    if top >= n_classes:
+        raise ConfigError(
+            f"partition option 'table' has {n_classes} class columns but the labels reach {top}"
+        )
+
+
+def _sized_table(
+    table: np.ndarray,
+    per_cluster: np.ndarray,
+    scale: float | None,
+    samples_per_client: int | None,
+) -> np.ndarray:
+    """The cluster table times ``scale`` (rounded), or rescaled row by row so that each
+    client of a cluster holds ``samples_per_client``; unchanged when neither is given."""
+    if scale is not None and samples_per_client is not None:
+        raise ConfigError("partition options 'scale' and 'samples_per_client' exclude each other")
+    if scale is not None:
+        return np.rint(table * _float_option("scale", scale, 0.0)).astype(np.int64)
+    if samples_per_client is not None:
+        size = _int_option("samples_per_client", samples_per_client)
+        return _apportion(table, size * per_cluster)
+    return table
+
+
+def _client_counts(table: np.ndarray, per_cluster: np.ndarray) -> np.ndarray:
+    """[n, C] counts: cluster ``k``'s row split among its ``per_cluster[k]`` clients,
+    sizes differing by at most one per class, the extra samples rotating over the
+    clients so that their totals also differ by at most one."""
+    client_counts, offset = [], 0
+    for k in range(table.shape[0]):
+        m = int(per_cluster[k])
+        share, extra = np.divmod(table[k], m)
+        rows = np.tile(share, (m, 1))
+        for c in range(table.shape[1]):
+            rows[(offset + np.arange(extra[c])) % m, c] += 1
+            offset = (offset + int(extra[c])) % m
+        client_counts.append(rows)
+    return np.concatenate(client_counts)
 
 
 def _resolve_table(table: Any, y_train: np.ndarray) -> np.ndarray:
@@ -641,6 +669,37 @@ def label_combinations(
     ``groups`` is the client's combination.
     """
     y_train, y_test = _pools(y_train, y_test, rng)
+    n_combinations, k = _combination_shape(scenario, n_combinations, labels_per_combination)
+    per_label = _int_option("samples_per_label", samples_per_label)
+    n_clients = _int_option("n_clients", n_clients)
+    _choice("assignment", assignment, ("even", "random"))
+    n_classes = int(y_train.max(initial=-1)) + 1
+    present = np.flatnonzero(_class_counts(y_train, n_classes))
+    if k > present.size:
+        raise ConfigError(
+            f"partition option 'labels_per_combination' must be <= {present.size} classes, got {k}"
+        )
+    if n_combinations > math.comb(present.size, k):
+        raise ConfigError(
+            f"partition option 'n_combinations': only {math.comb(present.size, k)} distinct "
+            f"sets of {k} of {present.size} labels exist, got {n_combinations}"
+        )
+    combos = _distinct_combinations(present, n_combinations, k, rng)
+    if assignment == "even":
+        groups = np.arange(n_clients) * n_combinations // n_clients
+    else:
+        groups = rng.integers(n_combinations, size=n_clients)
+    counts = np.zeros((n_clients, n_classes), dtype=np.int64)
+    for i, g in enumerate(groups):
+        counts[i, list(combos[g])] = per_label
+    train = _draw_by_counts(y_train, counts, rng, "samples_per_label")
+    return _finish(train, y_train, y_test, rng, test, groups=groups.astype(np.int64))
+
+
+def _combination_shape(
+    scenario: int | None, n_combinations: int | None, labels_per_combination: int | None
+) -> tuple[int, int]:
+    """(number of combinations, labels per combination): CFLGT's scenario or as given."""
     if scenario is not None:
         _choice("scenario", scenario, tuple(CFLGT_SCENARIOS))
         preset = CFLGT_SCENARIOS[scenario]
@@ -660,36 +719,22 @@ def label_combinations(
             "partition options: give 'scenario' (1, 2 or 3) or both 'n_combinations' "
             "and 'labels_per_combination'"
         )
-    n_combinations = _int_option("n_combinations", n_combinations)
-    k = _int_option("labels_per_combination", labels_per_combination)
-    per_label = _int_option("samples_per_label", samples_per_label)
-    n_clients = _int_option("n_clients", n_clients)
-    _choice("assignment", assignment, ("even", "random"))
-    n_classes = int(y_train.max(initial=-1)) + 1
-    present = np.flatnonzero(_class_counts(y_train, n_classes))
-    if k > present.size:
-        raise ConfigError(
-            f"partition option 'labels_per_combination' must be <= {present.size} classes, got {k}"
-        )
-    if n_combinations > math.comb(present.size, k):
-        raise ConfigError(
-            f"partition option 'n_combinations': only {math.comb(present.size, k)} distinct "
-            f"sets of {k} of {present.size} labels exist, got {n_combinations}"
-        )
+    return (
+        _int_option("n_combinations", n_combinations),
+        _int_option("labels_per_combination", labels_per_combination),
+    )
+
+
+def _distinct_combinations(
+    present: np.ndarray, n_combinations: int, k: int, rng: np.random.Generator
+) -> list[tuple[int, ...]]:
+    """``n_combinations`` distinct random sorted sets of ``k`` of the ``present`` labels."""
     combos: list[tuple[int, ...]] = []
     while len(combos) < n_combinations:
         combo = tuple(sorted(rng.choice(present, size=k, replace=False).tolist()))
         if combo not in combos:
             combos.append(combo)
-    if assignment == "even":
-        groups = np.arange(n_clients) * n_combinations // n_clients
-    else:
-        groups = rng.integers(n_combinations, size=n_clients)
-    counts = np.zeros((n_clients, n_classes), dtype=np.int64)
-    for i, g in enumerate(groups):
-        counts[i, list(combos[g])] = per_label
-    train = _draw_by_counts(y_train, counts, rng, "samples_per_label")
-    return _finish(train, y_train, y_test, rng, test, groups=groups.astype(np.int64))
+    return combos
 
 
 def dirichlet(
@@ -734,13 +779,7 @@ def dirichlet(
     if draw == "client":
         if min_samples is not None:
             raise ConfigError("partition option 'min_samples' applies only to draw='label'")
-        size = available.sum() // n_clients if samples_per_client is None else samples_per_client
-        size = _int_option("samples_per_client", size)
-        if size * n_clients > available.sum():
-            raise ConfigError(
-                f"partition option 'samples_per_client': {n_clients} clients x {size} samples "
-                f"exceed the pool's {available.sum()}"
-            )
+        size = _client_size(samples_per_client, n_clients, int(available.sum()))
         counts = _dirichlet_per_client(available, n_clients, size, alpha, rng)
     else:
         if samples_per_client is not None:
@@ -756,6 +795,18 @@ def dirichlet(
         )
     train = _draw_by_counts(y_train, counts, rng, "samples_per_client")
     return _finish(train, y_train, y_test, rng, test)
+
+
+def _client_size(samples_per_client: int | None, n_clients: int, total: int) -> int:
+    """Samples per client: as given, or the pool split equally; at most the pool."""
+    size = total // n_clients if samples_per_client is None else samples_per_client
+    size = _int_option("samples_per_client", size)
+    if size * n_clients > total:
+        raise ConfigError(
+            f"partition option 'samples_per_client': {n_clients} clients x {size} samples "
+            f"exceed the pool's {total}"
+        )
+    return size
 
 
 def _dirichlet_per_client(
@@ -846,16 +897,32 @@ def shards_powerlaw(
         raise ConfigError(
             f"partition option 'classes_per_client' must be <= {n_classes} classes, got {k}"
         )
-    if consecutive:
-        sets = (np.arange(n_clients)[:, None] + np.arange(k)) % n_classes
-        groups = sets[:, 0].copy()
-    else:
-        sets = np.argsort(rng.random((n_clients, n_classes)), axis=1)[:, :k]
-        groups = np.unique(np.sort(sets, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    sets, groups = _class_sets(n_clients, n_classes, k, consecutive, rng)
     weights = np.zeros((n_clients, n_classes))
     np.put_along_axis(weights, sets, rng.lognormal(0.0, sigma, size=(n_clients, k)), axis=1)
-    holds = weights > 0
     supply = np.floor(_class_counts(y_train, n_classes) * scale).astype(np.int64)
+    counts = _slot_counts(weights, supply, per_slot)
+    train = _draw_by_counts(y_train, counts, rng, "n_clients")
+    return _finish(train, y_train, y_test, rng, test, groups=groups.astype(np.int64))
+
+
+def _class_sets(
+    n_clients: int, n_classes: int, k: int, consecutive: bool, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each client's ``k`` classes [n, k] and its group: consecutive classes from
+    ``i mod C`` (group: the first class) or a random set (group: the set's index)."""
+    if consecutive:
+        sets = (np.arange(n_clients)[:, None] + np.arange(k)) % n_classes
+        return sets, sets[:, 0].copy()
+    sets = np.argsort(rng.random((n_clients, n_classes)), axis=1)[:, :k]
+    groups = np.unique(np.sort(sets, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    return sets, groups
+
+
+def _slot_counts(weights: np.ndarray, supply: np.ndarray, per_slot: int) -> np.ndarray:
+    """``per_slot`` samples for every (client, class) slot of positive weight, then each
+    class's rest of ``supply`` shared among its slots in proportion to the weights."""
+    holds = weights > 0
     base = per_slot * holds.sum(axis=0)
     short = np.flatnonzero(base > supply)
     if short.size:
@@ -864,9 +931,7 @@ def shards_powerlaw(
             f"partition option 'min_per_class': class {c} has {supply[c]} samples for "
             f"{holds[:, c].sum()} clients x {per_slot}; use fewer clients or a smaller minimum"
         )
-    counts = per_slot * holds + _apportion(weights.T, supply - base).T
-    train = _draw_by_counts(y_train, counts, rng, "n_clients")
-    return _finish(train, y_train, y_test, rng, test, groups=groups.astype(np.int64))
+    return per_slot * holds + _apportion(weights.T, supply - base).T
 
 
 def iid(
@@ -961,16 +1026,7 @@ def rotation(
     reuse = _choice("reuse", reuse, ["none", "per_group"])
     if reuse == "none" and test_clients is not None:
         raise ConfigError("partition option 'test_clients' needs reuse='per_group'")
-    if angles is None:
-        count = 4 if n_groups is None else _int_option("n_groups", n_groups)
-        angle_list = [360.0 * g / count for g in range(count)]
-    else:
-        angle_list = _degrees("angles", angles)
-        if n_groups is not None and n_groups != len(angle_list):
-            raise ConfigError(
-                f"partition option 'angles' must list one angle per group "
-                f"(n_groups={n_groups}), got {len(angle_list)}"
-            )
+    angle_list = _group_angles(n_groups, angles)
     if reuse == "per_group":
         return _rotation_per_group(
             y_train, y_test, rng, base, base_options, angle_list, test_clients
@@ -983,16 +1039,38 @@ def rotation(
             "clients would leave groups empty; give at most one group per client"
         )
     strata = partition.groups if partition.groups is not None else np.zeros(partition.n_clients)
-    rot_group = np.empty(partition.n_clients, dtype=np.int64)
-    offset = 0
-    for stratum in np.unique(strata):
-        members = rng.permutation(np.flatnonzero(strata == stratum))
-        rot_group[members] = (offset + np.arange(members.size)) % count
-        offset += members.size
+    rot_group = _balanced_groups(strata, count, rng)
     groups = rot_group
     if partition.groups is not None:
         groups = np.unique(partition.groups * count + rot_group, return_inverse=True)[1]
     return with_rotations(partition, np.array(angle_list)[rot_group], groups.reshape(-1))
+
+
+def _group_angles(n_groups: int | None, angles: Sequence[float] | None) -> list[float]:
+    """One angle per rotation group: as listed, or ``n_groups`` (default 4) spaced
+    evenly over 360 degrees."""
+    if angles is None:
+        count = 4 if n_groups is None else _int_option("n_groups", n_groups)
+        return [360.0 * g / count for g in range(count)]
+    angle_list = _degrees("angles", angles)
+    if n_groups is not None and n_groups != len(angle_list):
+        raise ConfigError(
+            f"partition option 'angles' must list one angle per group "
+            f"(n_groups={n_groups}), got {len(angle_list)}"
+        )
+    return angle_list
+
+
+def _balanced_groups(strata: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Each client's group of ``count``: dealt in turn over the clients of each stratum,
+    shuffled, so group sizes differ by at most one overall and within strata."""
+    groups = np.empty(len(strata), dtype=np.int64)
+    offset = 0
+    for stratum in np.unique(strata):
+        members = rng.permutation(np.flatnonzero(strata == stratum))
+        groups[members] = (offset + np.arange(members.size)) % count
+        offset += members.size
+    return groups
 
 
 def _rotation_per_group(

@@ -339,6 +339,33 @@ def _plugin_dataset(
     return dataset
 
 
+def _fetch_missing(name: str, root: Path, missing: list[str], download: bool) -> None:
+    """Download a dataset's missing files when asked; else one line saying where it
+    looked and how to get them."""
+    if name in LEAF_FOLDERS:
+        raise DataError(
+            f"{name}: not found in data root {root}: missing {', '.join(missing)}; fedcluster "
+            "does not download LEAF data: generate it with LEAF's scripts "
+            "(github.com/TalwalkarLab/leaf, see docs/datasets.md) and set data_dir to the folder "
+            f"that holds {LEAF_FOLDERS[name]}/"
+        )
+    if download:
+        download_dataset(name, root)
+        return
+    how = (
+        f"pass download=True (`--download` on the command line) to fetch it into "
+        f"{root}, or set {ENV_DATA} (or data_dir) to a folder that holds it"
+    )
+    if name.startswith("emnist"):
+        how += (
+            f"; EMNIST downloads only from a mirror ({ENV_MIRROR}), the official "
+            f"release is {EMNIST_OFFICIAL_URL}"
+        )
+    raise DataError(
+        f"{name}: not found in data root {root}: missing {', '.join(missing)}; {how}"
+    )
+
+
 def load_dataset(
     name: str,
     data_dir: str | Path | None = None,
@@ -385,26 +412,6 @@ def load_dataset(
         return source.load(name, None, seed, dict(options))
     root = resolve_data_dir(data_dir)
     missing = source.missing(root)
-    if missing and name in LEAF_FOLDERS:
-        raise DataError(
-            f"{name}: not found in data root {root}: missing {', '.join(missing)}; fedcluster "
-            "does not download LEAF data: generate it with LEAF's scripts "
-            "(github.com/TalwalkarLab/leaf, see docs/datasets.md) and set data_dir to the folder "
-            f"that holds {LEAF_FOLDERS[name]}/"
-        )
-    if missing and download:
-        download_dataset(name, root)
-    elif missing:
-        how = (
-            f"pass download=True (`--download` on the command line) to fetch it into "
-            f"{root}, or set {ENV_DATA} (or data_dir) to a folder that holds it"
-        )
-        if name.startswith("emnist"):
-            how += (
-                f"; EMNIST downloads only from a mirror ({ENV_MIRROR}), the official "
-                f"release is {EMNIST_OFFICIAL_URL}"
-            )
-        raise DataError(
-            f"{name}: not found in data root {root}: missing {', '.join(missing)}; {how}"
-        )
+    if missing:
+        _fetch_missing(name, root, missing, download)
     return source.load(name, root, seed, dict(options))
