@@ -136,7 +136,7 @@ def test_cli_round_trip_on_a_finished_run(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", *ROTATED_DIGITS, "--out", str(out)]) == 0
     from fedcluster.config.schema import load_yaml, validate_config
-    from fedcluster.experiment.runner import build_federation_for
+    from fedcluster.data.configured import build_federation_for
 
     fed = build_federation_for(validate_config(load_yaml(out / "config.yaml")), 0)
     client = int(np.flatnonzero(fed.groups == 1)[0])

@@ -8,7 +8,7 @@ import numpy as np
 
 from benchmarks.reproduction.compare_methods import _SKEW_TABLE, PRESET, SETTINGS
 from fedcluster.config.schema import resolve_config
-from fedcluster.experiment.runner import build_federation_for
+from fedcluster.data.configured import build_federation_for
 
 
 def test_compare_preset_loads_the_new_methods_beside_their_baselines():

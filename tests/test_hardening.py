@@ -22,13 +22,14 @@ import torch
 from fedcluster.algorithms.base import init_row
 from fedcluster.cli import main
 from fedcluster.config.schema import resolve_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.data.screen import screen_clients
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import DataError, FedclusterError
 from fedcluster.experiment import safefiles
 from fedcluster.experiment.metrics import TIMING_COLUMNS
 from fedcluster.experiment.rundir import RunDirectory, load_checkpoint, save_checkpoint
-from fedcluster.experiment.runner import Experiment, Job, build_federation_for, model_for, resume
+from fedcluster.experiment.runner import Experiment, Job, model_for, resume
 from fedcluster.protocol.batches import LocalTraining
 
 SETS = [

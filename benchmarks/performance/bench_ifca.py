@@ -68,13 +68,13 @@ from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Context
 from fedcluster.algorithms.evaluation import own_loss_evaluate
 from fedcluster.config.schema import resolve_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.data.federation import Federation
 from fedcluster.engine.client_computations import LOSSES
 from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.precision import PRECISIONS
 from fedcluster.engine.simulator import Simulator
-from fedcluster.experiment.runner import build_federation_for
 from fedcluster.models import build_model
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.computation import Request

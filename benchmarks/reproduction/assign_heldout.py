@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from fedcluster.config.schema import load_yaml, validate_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.data.sources import load_dataset
 from fedcluster.data.transforms import rotate_images
 from fedcluster.experiment.cluster_choice import FinishedRun, summarise
-from fedcluster.experiment.runner import build_federation_for
 from fedcluster.experiment.summary import format_table
 from fedcluster.reporting.rundata import load_run
 from fedcluster.rng import numpy_rng

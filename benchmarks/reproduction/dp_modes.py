@@ -47,7 +47,8 @@ import torch
 from benchmarks.common import parser
 from fedcluster.algorithms.base import init_row
 from fedcluster.config.schema import resolve_config
-from fedcluster.experiment.runner import build_federation_for, model_for, simulator_for
+from fedcluster.data.configured import build_federation_for
+from fedcluster.experiment.runner import model_for, simulator_for
 from fedcluster.experiment.summary import format_table
 from fedcluster.privacy.ledger import LocalDP
 from fedcluster.protocol.batches import LocalTraining

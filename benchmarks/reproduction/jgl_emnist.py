@@ -31,7 +31,7 @@ from torch import nn
 from fedcluster.algorithms.repair import separation
 from fedcluster.clustering.methods import bipartition
 from fedcluster.config.schema import resolve_config
-from fedcluster.experiment.runner import build_federation_for
+from fedcluster.data.configured import build_federation_for
 from fedcluster.models import build_model
 
 

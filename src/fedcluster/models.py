@@ -356,17 +356,6 @@ def refuse_frozen(model: nn.Module, what: str) -> None:
         )
 
 
-def kept_row(model: nn.Module | None, init: str) -> torch.Tensor | None:
-    """The initial row of a model passed from Python: its own weights with ``init: keep``
-    (a CPU copy, taken once: what the run does later cannot change it); ``None`` when
-    the run initialises it from the seed (``reset``, or no model given)."""
-    from fedcluster.engine.flat import ParamLayout
-
-    if model is None or init == "reset":
-        return None
-    return ParamLayout(model).flatten().cpu().clone()
-
-
 def check_rows_fit(name: str, model: nn.Module, rows: int) -> None:
     """ConfigError naming the model when ``rows`` parameter rows of it cannot fit in memory.
 

@@ -50,6 +50,7 @@ from fedcluster.errors import ConfigError
 from fedcluster.experiment import safefiles
 from fedcluster.experiment.callbacks import Callback
 from fedcluster.experiment.summary import format_table
+from fedcluster.reporting.sweep import paired_rows, result_rows
 from fedcluster.stats import mean_ci, paired_test
 
 if TYPE_CHECKING:
@@ -312,44 +313,6 @@ def collect(
                 }
             )
     return results, paired
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.2f}"
-
-
-def _p(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3g}"
-
-
-def result_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The results as text rows (metric in %, the 95 % interval in brackets)."""
-    return [
-        {
-            "setting": r["label"] or "(base)",
-            "algorithm": r["algorithm"],
-            "seeds": str(r["n"]),
-            "mean %": _pct(r["mean"]),
-            "95% CI %": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
-        }
-        for r in results
-    ]
-
-
-def paired_rows(paired: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The paired tests as text rows (difference a − b in points, its interval, p-values)."""
-    return [
-        {
-            "setting": r["label"] or "(base)",
-            "a − b": f"{r['a']} − {r['b']}",
-            "seeds": str(r["n"]),
-            "difference %": _pct(r["difference"]),
-            "95% CI %": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
-            "paired t p": _p(r["t_p"]),
-            "Wilcoxon p": _p(r["wilcoxon_p"]),
-        }
-        for r in paired
-    ]
 
 
 def format_summary(metric: str, results: list[dict[str, Any]], paired: list[dict[str, Any]]) -> str:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from fedcluster.algorithms.base import Context
 from fedcluster.algorithms.evaluation import own_loss_evaluate
 from fedcluster.config.schema import resolve_config
+from fedcluster.data.configured import load_partitioned
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.sources import Dataset, Split
@@ -19,7 +20,6 @@ from fedcluster.engine.mlp_kernel import MLPKernel
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError
-from fedcluster.experiment.runner import load_partitioned
 from fedcluster.models import build_model
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.rng import numpy_rng

@@ -21,8 +21,9 @@ from fedcluster.algorithms.pacfl import (
 )
 from fedcluster.clustering.validity import purity
 from fedcluster.config.schema import resolve_config, validate_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.errors import ConfigError
-from fedcluster.experiment.runner import Experiment, build_federation_for
+from fedcluster.experiment.runner import Experiment
 from tests.helpers import FLOAT_BYTES, make_context, rotated_mnist5k
 
 

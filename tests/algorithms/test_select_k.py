@@ -14,8 +14,9 @@ import fedcluster
 from fedcluster.algorithms import check_algorithms
 from fedcluster.cli import main
 from fedcluster.config.schema import load_yaml, validate_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.errors import ConfigError
-from fedcluster.experiment.runner import build_federation_for, resume
+from fedcluster.experiment.runner import resume
 from fedcluster.reporting import figures
 from fedcluster.reporting.document import _k_curves
 from fedcluster.reporting.rundata import load_run

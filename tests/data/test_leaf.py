@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from fedcluster.config.schema import resolve_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.data.federation import Federation, build_federation
 from fedcluster.data.leaf import PAD_ID, UNKNOWN_ID, tokenize
 from fedcluster.data.natural import natural_partition
 from fedcluster.data.sources import load_dataset
 from fedcluster.errors import ConfigError, DataError
-from fedcluster.experiment.runner import Experiment, build_federation_for
+from fedcluster.experiment.runner import Experiment
 from fedcluster.models import build_model
 from fedcluster.rng import numpy_rng
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from fedcluster.config.schema import validate_config
-from fedcluster.experiment.runner import build_federation_for
+from fedcluster.data.configured import build_federation_for
 from fedcluster.experiment.scenario import Scenario
 from fedcluster.flower.client import _client
 from tests.helpers import rotated_mnist5k

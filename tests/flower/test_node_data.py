@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fedcluster.config.schema import validate_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.errors import DataError, FedclusterError
-from fedcluster.experiment.runner import build_federation_for
 from fedcluster.flower.export import export_federation, export_for_nodes, spread_clients
 from fedcluster.flower.nodedata import (
     client_file,

@@ -313,7 +313,7 @@ class DistributedFactory:
         self.group: WorkerGroup | None = None
 
     def federation(self, seed: int) -> Federation:
-        from fedcluster.experiment.runner import build_federation_for
+        from fedcluster.data.configured import build_federation_for
 
         return build_federation_for(self.config, seed)
 

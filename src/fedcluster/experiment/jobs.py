@@ -29,25 +29,22 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from fedcluster.config.schema import ExperimentConfig
 from fedcluster.errors import ConfigError, FedclusterError
-from fedcluster.experiment.callbacks import Callback, RunInfo
-from fedcluster.experiment.rundir import JobResult, RunDirectory, run_directory_callbacks
+from fedcluster.experiment.callbacks import Callback
+from fedcluster.experiment.rundir import JobResult
 
 if TYPE_CHECKING:
     from torch import nn
 
     from fedcluster.data.federation import Federation
     from fedcluster.engine.modes import LossFn
-    from fedcluster.experiment.runner import Experiment
 
 
 def threads_per_job(jobs: int) -> int:
@@ -57,53 +54,43 @@ def threads_per_job(jobs: int) -> int:
 
 
 def run_jobs(
-    experiment: Experiment, run: RunInfo, last: int, device: torch.device, progress: bool
+    task: Callable[[int, int], JobResult],
+    order: list[tuple[int, int]],
+    workers: int,
+    labels: list[str],
+    path: Path,
+    progress: bool,
 ) -> list[JobResult]:
-    """Run every job of ``experiment`` over ``config.jobs`` worker processes; the results
-    in the sequential order (seed, then algorithm entry)."""
-    from fedcluster.experiment.runner import SimulatorFactory
-
-    cfg = experiment.config
-    if not isinstance(experiment.backend_factory, SimulatorFactory):
-        raise ConfigError(
-            "jobs: jobs run in parallel on the simulator backend only (backend: simulator)"
-        )
-    order = [(seed, i) for seed in cfg.seeds for i in range(len(cfg.algorithms))]
-    n = min(cfg.jobs, len(order))
-    given = _picklable(
-        experiment._model, experiment._federation, experiment.backend_factory.loss, experiment
-    )
-    threads = (threads_per_job(n), torch.get_num_threads())
-    task = _JobTask(cfg, *given, run.path, run.resume, last, device, threads)
+    """``task(seed, entry)`` for every job of ``order`` over ``workers`` processes (``task``
+    must pickle: the pool sends it to them); the results in the order given."""
     context = get_context("spawn")
-    with ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures: list[Future[JobResult]] = [pool.submit(task, seed, i) for seed, i in order]
         try:
             results = []
             for (seed, i), future in zip(order, futures, strict=True):
                 results.append(future.result())
                 if progress:
-                    label = cfg.algorithms[i].display_name()
-                    print(f"fedcluster: job {label} seed {seed} done", flush=True)
+                    print(f"fedcluster: job {labels[i]} seed {seed} done", flush=True)
             return results
         except BrokenProcessPool:
             raise FedclusterError(
                 f"a job's worker process died (killed, or out of memory); "
-                f"`fedcluster resume {run.path}` continues every job from its last checkpoint"
+                f"`fedcluster resume {path}` continues every job from its last checkpoint"
             ) from None
         finally:
             for future in futures:
                 future.cancel()
 
 
-def _picklable(
+def picklable(
     model: nn.Module | None,
     federation: Federation | None,
     loss: LossFn | None,
-    experiment: Experiment,
+    callbacks: list[Callback],
 ) -> tuple[nn.Module | None, Federation | None, LossFn | None, list[Callback]]:
     """What the workers receive besides the config, checked to cross a process boundary."""
-    given = (model, federation, loss, experiment.callbacks)
+    given = (model, federation, loss, callbacks)
     for name, obj in zip(("model", "federation", "loss", "callbacks"), given, strict=True):
         try:
             pickle.dumps(obj)
@@ -113,46 +100,3 @@ def _picklable(
                 f"({exc}); run with jobs: 1"
             ) from None
     return given
-
-
-class _JobTask:
-    """One job, run in a worker process (picklable: the pool sends it there)."""
-
-    def __init__(
-        self,
-        config: ExperimentConfig,
-        model: nn.Module | None,
-        federation: Federation | None,
-        loss: LossFn | None,
-        callbacks: list[Callback],
-        path: Path,
-        resume: bool,
-        last: int,
-        device: torch.device,
-        threads: tuple[int, int],
-    ) -> None:
-        self.config = config.model_copy(update={"jobs": 1})
-        self.model, self.federation, self.loss = model, federation, loss
-        self.callbacks = callbacks
-        self.path, self.resume, self.last = path, resume, last
-        self.device, self.threads = device, threads
-
-    def __call__(self, seed: int, index: int) -> JobResult:
-        from fedcluster.experiment.runner import Experiment, Job, SimulatorFactory
-
-        share, driver = self.threads
-        torch.set_num_threads(share)
-        experiment = Experiment(self.config, self.model, self.federation, loss=self.loss)
-        # the driver's simulator threads: the MLP kernel's client groups (and so every
-        # client's rounding) are the sequential run's
-        experiment.backend_factory = SimulatorFactory(experiment.config, self.loss, driver)
-        cfg = experiment.config
-        rundir = RunDirectory(self.path)
-        callbacks = [
-            *run_directory_callbacks(rundir, cfg, self.last, progress=False),
-            *self.callbacks,
-        ]
-        run = RunInfo(rundir.path, cfg, self.resume)
-        setting, dynamics = experiment.seed_setting(seed, self.device)
-        job = Job(experiment, run, cfg.algorithms[index], seed, setting, dynamics)
-        return job.run(rundir, self.resume, self.last, callbacks)

@@ -111,7 +111,7 @@ def config_text(config: ExperimentConfig, record: dict[str, Any]) -> str:
     (:data:`~fedcluster.config.schema.EXECUTION_FIELDS`: the record names the backend) and the
     data fields a factory or object replaced (where they hold their defaults), then the
     ``record``."""
-    fields = config.model_dump(mode="json", exclude=EXECUTION_FIELDS)
+    fields = config.model_dump(mode="json", exclude=set(EXECUTION_FIELDS))
     data = config.data
     if data.federation is not None or data.given is not None:
         default = DataConfig.model_validate({})

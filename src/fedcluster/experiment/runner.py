@@ -34,7 +34,6 @@ from fedcluster.algorithms import Context, algorithm_class, algorithm_params, ch
 from fedcluster.algorithms.base import Algorithm, State, auto_k, init_row
 from fedcluster.algorithms.cluster_count import select_k
 from fedcluster.algorithms.robust import Aggregator
-from fedcluster.config.plugins import import_object
 from fedcluster.config.schema import (
     AlgorithmSpec,
     ExperimentConfig,
@@ -42,19 +41,19 @@ from fedcluster.config.schema import (
     validate_config,
     with_execution,
 )
+from fedcluster.data.configured import build_federation_for, load_partitioned
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
 from fedcluster.data.federation import Federation, build_federation
-from fedcluster.data.natural import NATURAL, make_natural
-from fedcluster.data.partitions import Partition, make_partition
 from fedcluster.data.screen import check_given, screen_clients
-from fedcluster.data.sources import Dataset, load_dataset
 from fedcluster.engine.device import resolve_device
+from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, resolve_loss
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.experiment.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.experiment.capacity import check_batch_plans, check_cluster_counts
 from fedcluster.experiment.client_results import client_records
+from fedcluster.experiment.jobs import picklable, run_jobs, threads_per_job
 from fedcluster.experiment.metrics import accuracy_columns, cluster_columns, honest_accuracy
 from fedcluster.experiment.provenance import data_record, run_record
 from fedcluster.experiment.rebuild import check_rebuildable, record_given
@@ -67,7 +66,7 @@ from fedcluster.experiment.rundir import (
     run_directory_callbacks,
 )
 from fedcluster.experiment.scenario import Scenario, flip_labels
-from fedcluster.models import build_model, check_rows_fit, kept_row, refuse_frozen
+from fedcluster.models import build_model, check_rows_fit, refuse_frozen
 from fedcluster.privacy.central import CentralDP
 from fedcluster.privacy.ledger import LocalDP, reported_epsilon
 from fedcluster.protocol.backend import Backend, FederationView
@@ -78,38 +77,13 @@ from fedcluster.rng import numpy_rng
 log = logging.getLogger("fedcluster")
 
 
-def build_federation_for(config: ExperimentConfig, seed: int) -> Federation:
-    """Load the dataset and partition it among clients, as the config says, for one seed
-    (or call the factory ``data.federation`` names: :mod:`fedcluster.experiment.rebuild`); clients
-    with unusable data are left out or refused (``data.bad_clients``)."""
-    if config.data.federation is not None:
-        factory = import_object(config.data.federation, "federation")
-        federation = factory() if callable(factory) else factory
-        if not isinstance(federation, Federation):
-            raise ConfigError(
-                f"data.federation: {config.data.federation!r} gave a "
-                f"{type(federation).__name__}, not a Federation"
-            )
-    else:
-        federation = build_federation(*load_partitioned(config, seed))
-    return screen_clients(federation, config.data.bad_clients)
-
-
-def load_partitioned(config: ExperimentConfig, seed: int) -> tuple[Dataset, Partition]:
-    """The config's dataset and its partition among clients for one seed."""
-    data = config.data
-    dataset = load_dataset(
-        data.dataset, data.data_dir, download=data.download, seed=seed, **data.options
-    )
-    options = dict(data.partition)
-    name = options.pop("name")
-    if name == NATURAL:
-        return dataset, make_natural(dataset, numpy_rng(seed, "partition"), options)
-    y_test = None if dataset.test is None else dataset.test.y.numpy()
-    partition = make_partition(
-        name, dataset.train.y.numpy(), y_test, numpy_rng(seed, "partition"), **options
-    )
-    return dataset, partition
+def kept_row(model: nn.Module | None, init: str) -> torch.Tensor | None:
+    """The initial row of a model passed from Python: its own weights with ``init: keep``
+    (a CPU copy, taken once: what the run does later cannot change it); ``None`` when
+    the run initialises it from the seed (``reset``, or no model given)."""
+    if model is None or init == "reset":
+        return None
+    return ParamLayout(model).flatten().cpu().clone()
 
 
 def model_for(config: ExperimentConfig, federation: FederationView) -> nn.Module:
@@ -275,13 +249,9 @@ class Experiment:
         for callback in callbacks:
             callback.on_run_start(run)
         if cfg.jobs > 1:
-            from fedcluster.experiment.jobs import (
-                run_jobs,  # experiment/jobs.py builds on this module
-            )
-
             for seed in cfg.seeds:  # the workers build each seed's data; record it here
                 self.record_data(rundir, record, seed, self.data(seed)[0], resume)
-            results = run_jobs(self, run, last, device, progress)
+            results = self._run_parallel(run, last, device, progress)
             rundir.sort_rows([(r.algorithm, r.seed) for r in results])
         else:
             results = []
@@ -293,6 +263,24 @@ class Experiment:
         for callback in callbacks:
             callback.on_run_end(run, results)
         return results
+
+    def _run_parallel(
+        self, run: RunInfo, last: int, device: torch.device, progress: bool
+    ) -> list[JobResult]:
+        """Every job over ``config.jobs`` worker processes (:mod:`fedcluster.experiment.jobs`);
+        the results in the sequential order (seed, then algorithm entry)."""
+        cfg = self.config
+        if not isinstance(self.backend_factory, SimulatorFactory):
+            raise ConfigError(
+                "jobs: jobs run in parallel on the simulator backend only (backend: simulator)"
+            )
+        order = [(seed, i) for seed in cfg.seeds for i in range(len(cfg.algorithms))]
+        n = min(cfg.jobs, len(order))
+        given = picklable(self._model, self._federation, self.backend_factory.loss, self.callbacks)
+        threads = (threads_per_job(n), torch.get_num_threads())
+        task = JobTask(cfg, *given, run.path, run.resume, last, device, threads)
+        labels = [spec.display_name() for spec in cfg.algorithms]
+        return run_jobs(task, order, n, labels, run.path, progress)
 
     def record_data(
         self,
@@ -699,3 +687,44 @@ def checked_config(
     check_resumable(RunDirectory(path), config, trust)
     check_rebuildable(path, config, model, federation, loss)
     return config
+
+
+class JobTask:
+    """One job, run in a worker process (picklable: the pool sends it there)."""
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: nn.Module | None,
+        federation: Federation | None,
+        loss: LossFn | None,
+        callbacks: list[Callback],
+        path: Path,
+        resume: bool,
+        last: int,
+        device: torch.device,
+        threads: tuple[int, int],
+    ) -> None:
+        self.config = config.model_copy(update={"jobs": 1})
+        self.model, self.federation, self.loss = model, federation, loss
+        self.callbacks = callbacks
+        self.path, self.resume, self.last = path, resume, last
+        self.device, self.threads = device, threads
+
+    def __call__(self, seed: int, index: int) -> JobResult:
+        share, driver = self.threads
+        torch.set_num_threads(share)
+        experiment = Experiment(self.config, self.model, self.federation, loss=self.loss)
+        # the driver's simulator threads: the MLP kernel's client groups (and so every
+        # client's rounding) are the sequential run's
+        experiment.backend_factory = SimulatorFactory(experiment.config, self.loss, driver)
+        cfg = experiment.config
+        rundir = RunDirectory(self.path)
+        callbacks = [
+            *run_directory_callbacks(rundir, cfg, self.last, progress=False),
+            *self.callbacks,
+        ]
+        run = RunInfo(rundir.path, cfg, self.resume)
+        setting, dynamics = experiment.seed_setting(seed, self.device)
+        job = Job(experiment, run, cfg.algorithms[index], seed, setting, dynamics)
+        return job.run(rundir, self.resume, self.last, callbacks)

@@ -34,9 +34,10 @@ from flwr.clientapp import ClientApp
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
 from fedcluster.config.schema import validate_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.data.drift import DriftEvent, DriftReplay
 from fedcluster.engine.simulator import Simulator
-from fedcluster.experiment.runner import build_federation_for, model_for, simulator_for
+from fedcluster.experiment.runner import model_for, simulator_for
 from fedcluster.experiment.scenario import Scenario, flip_labels
 from fedcluster.flower import messages
 from fedcluster.protocol.computation import lookup_computation

@@ -1,7 +1,7 @@
 """``fedcluster flower export``: an experiment's federation as node-local files.
 
 Builds the federation of one seed exactly as the simulator does
-(:func:`fedcluster.experiment.runner.build_federation_for`: the config's dataset and
+(:func:`fedcluster.data.configured.build_federation_for`: the config's dataset and
 partition) and writes one file per client plus ``manifest.json``
 (:mod:`fedcluster.flower.nodedata`). With ``nodes`` it also writes
 ``node-K/`` folders, each with only its clients' files and a manifest that
@@ -33,7 +33,7 @@ def export_federation(
 ) -> NodeManifest:
     """Write every client's data of ``config``'s federation for ``seed`` (default:
     the config's first seed) to ``out``; the manifest written."""
-    from fedcluster.experiment.runner import build_federation_for
+    from fedcluster.data.configured import build_federation_for
 
     seed = config.seeds[0] if seed is None else seed
     out = Path(out)

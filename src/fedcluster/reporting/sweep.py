@@ -13,7 +13,44 @@ from typing import Any
 from fedcluster.reporting.document import Section
 from fedcluster.reporting.figures import _subplots, png
 from fedcluster.reporting.writers import write_html, write_markdown
-from fedcluster.sweeps import paired_rows, result_rows
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.2f}"
+
+
+def _p(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
+def result_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The results as text rows (metric in %, the 95 % interval in brackets)."""
+    return [
+        {
+            "setting": r["label"] or "(base)",
+            "algorithm": r["algorithm"],
+            "seeds": str(r["n"]),
+            "mean %": _pct(r["mean"]),
+            "95% CI %": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
+        }
+        for r in results
+    ]
+
+
+def paired_rows(paired: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The paired tests as text rows (difference a − b in points, its interval, p-values)."""
+    return [
+        {
+            "setting": r["label"] or "(base)",
+            "a − b": f"{r['a']} − {r['b']}",
+            "seeds": str(r["n"]),
+            "difference %": _pct(r["difference"]),
+            "95% CI %": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
+            "paired t p": _p(r["t_p"]),
+            "Wilcoxon p": _p(r["wilcoxon_p"]),
+        }
+        for r in paired
+    ]
 
 
 def _numeric_axis(data: dict[str, Any]) -> str | None:
