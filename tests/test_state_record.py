@@ -4,6 +4,7 @@ fedcluster (a state field since removed or added) is one line naming the field."
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from fedcluster.config.schema import resolve_config
 from fedcluster.errors import FedclusterError
 from fedcluster.experiment.rundir import RunDirectory
 from fedcluster.experiment.runner import Experiment, resume
+from fedcluster.experiment.tensor_digest import digests
 
 SETS = [
     "rounds=3",
@@ -61,6 +63,9 @@ def test_resuming_an_older_checkpoint_is_one_line_and_keeps_the_run(tmp_path):
     raw = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
     assert raw["state"]["type"] == ClusterModelState.__name__
     raw["state"]["fields"]["repair_splits"] = 0  # a field the state had before
+    meta = json.loads(raw["meta"])  # as that version wrote it: digests of what it stored
+    meta["sha256"] = digests({"state": raw["state"], "clusters": raw["clusters"]})
+    raw["meta"] = json.dumps(meta)
     buffer = io.BytesIO()
     torch.save(raw, buffer)
     path.write_bytes(buffer.getvalue())
