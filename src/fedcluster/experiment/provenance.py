@@ -38,7 +38,7 @@ UNKNOWN = "unknown"
 def git_revision() -> str:
     """The commit of the git checkout fedcluster runs from, ``+modified`` when it has
     uncommitted changes; ``unknown`` for an installed copy (or without git)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # src/fedcluster
     try:
         top = _git(package, "rev-parse", "--show-toplevel")
         if Path(top).resolve() / "src" / "fedcluster" != package:
