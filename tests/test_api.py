@@ -223,3 +223,18 @@ def test_a_loss_passed_from_python_is_recorded_so_that_resume_uses_it(user, tmp_
     assert "\n" not in err and "loss=..." in err and "local_loss" in err
     fedcluster.resume(tmp_path / "local", loss=local_loss, report=False)
     assert _metrics(tmp_path / "local") == _metrics(full.path)
+
+
+def test_run_takes_a_yaml_path_as_its_config_and_names_a_wrong_type(tmp_path):
+    """``config`` may be a YAML file's path (as on the command line); another type is one
+    ConfigError naming the argument, not a traceback from dict()."""
+    from fedcluster.api import build_config
+    from fedcluster.errors import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text("participation: {fraction: 0.5}\ntrain: {lr: 0.2}\n")
+    built = build_config(algorithms=["fedavg"], rounds=2, seeds=[0], name="x", config=str(path))
+    assert built.participation.fraction == 0.5 and built.train.lr == 0.2
+    assert build_config(algorithms=["fedavg"], rounds=2, seeds=[0], name="x", config=path) == built
+    with pytest.raises(ConfigError, match="config: expected an ExperimentConfig, a mapping"):
+        build_config(algorithms=["fedavg"], rounds=2, seeds=[0], name="x", config=3)

@@ -44,6 +44,7 @@ from fedcluster.config.schema import (
     AlgorithmSpec,
     ExperimentConfig,
     deep_merge,
+    load_yaml,
     validate_config,
     with_execution,
 )
@@ -189,14 +190,23 @@ def build_config(
     seeds: Sequence[int],
     name: str,
     train: BaseModel | Mapping[str, Any] | None = None,
-    config: ExperimentConfig | Mapping[str, Any] | None = None,
+    config: ExperimentConfig | Mapping[str, Any] | str | Path | None = None,
     model: str | None = None,
     federation: str | None = None,
 ) -> ExperimentConfig:
     """The validated config of a :func:`run` (built-in defaults, no preset)."""
     raw: dict[str, Any] = {}
-    if config is not None:
-        raw = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    if isinstance(config, BaseModel):
+        raw = config.model_dump(mode="json")
+    elif isinstance(config, str | Path):
+        raw = load_yaml(config)
+    elif isinstance(config, Mapping):
+        raw = dict(config)
+    elif config is not None:
+        raise ConfigError(
+            f"config: expected an ExperimentConfig, a mapping or a YAML file's path, "
+            f"got a {type(config).__name__}"
+        )
     given: dict[str, Any] = {
         "name": name,
         "rounds": rounds,
@@ -245,7 +255,7 @@ def run(
     out: str | Path | None = None,
     seeds: Sequence[int] = (0,),
     train: BaseModel | Mapping[str, Any] | None = None,
-    config: ExperimentConfig | Mapping[str, Any] | None = None,
+    config: ExperimentConfig | Mapping[str, Any] | str | Path | None = None,
     callbacks: Sequence[Callback] = (),
     name: str = "experiment",
     report: bool = True,
@@ -270,8 +280,9 @@ def run(
         out: the run directory (default ``runs/<name>-<timestamp>``); where it exists
             already, the first free ``out-2``, ``out-3``, ... (``RunResult.path`` says which).
         train: local training, a :class:`TrainConfig` (``Train``) or a mapping of its fields.
-        config: any other config fields (:class:`ExperimentConfig` or a mapping, e.g.
-            ``{"participation": {"fraction": 0.5}}``); the arguments above override it.
+        config: any other config fields (:class:`ExperimentConfig`, a mapping, e.g.
+            ``{"participation": {"fraction": 0.5}}``, or a YAML file's path); the arguments
+            above override it.
         callbacks: :class:`~fedcluster.experiment.callbacks.Callback` objects (return True from
             ``on_round_end`` to stop a job).
         report: write ``report.html`` and ``report.md`` as the CLI does.
