@@ -67,6 +67,7 @@ from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, resolve_loss
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.experiment.jobs import check_sendable
 from fedcluster.protocol.backend import FederationView
 from fedcluster.protocol.channel import subset_request
 from fedcluster.protocol.computation import ClientComputation, Request, Returned, lookup_computation
@@ -301,13 +302,9 @@ class DistributedFactory:
     name = "distributed"
 
     def __init__(self, config: ExperimentConfig, loss: LossFn | None = None) -> None:
-        try:
-            pickle.dumps(loss)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise ConfigError(
-                f"loss: the loss function cannot be sent to the workers ({exc}); define it "
-                f"in a module and name it in train.loss"
-            ) from None
+        check_sendable(
+            loss, "loss: the loss function", "define it in a module and name it in train.loss"
+        )
         self.config = config
         self.loss = loss
         self.group: WorkerGroup | None = None

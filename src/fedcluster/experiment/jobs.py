@@ -92,11 +92,14 @@ def picklable(
     """What the workers receive besides the config, checked to cross a process boundary."""
     given = (model, federation, loss, callbacks)
     for name, obj in zip(("model", "federation", "loss", "callbacks"), given, strict=True):
-        try:
-            pickle.dumps(obj)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise ConfigError(
-                f"jobs: the {name} passed from Python cannot be sent to a worker process "
-                f"({exc}); run with jobs: 1"
-            ) from None
+        check_sendable(obj, f"jobs: the {name} passed from Python", "run with jobs: 1")
     return given
+
+
+def check_sendable(obj: object, what: str, remedy: str) -> None:
+    """A :class:`ConfigError` naming ``what`` and the ``remedy`` when ``obj`` cannot be
+    pickled, i.e. sent to another process."""
+    try:
+        pickle.dumps(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{what} cannot be sent to a worker process ({exc}); {remedy}") from None
