@@ -16,7 +16,9 @@ Markdown.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import pandas as pd
 
@@ -37,104 +39,126 @@ class Section:
     code: str | None = None
 
 
+class _Plot(NamedTuple):
+    key: str
+    title: str
+    draw: Callable[[list[Any], list[RunData]], Any]  # (entries, runs) -> Figure | None
+    text: str
+
+
+# the figure sections, in reading order; a figure that has nothing to show is None
+_PLOTS = (
+    _Plot(
+        "accuracy",
+        "Accuracy over rounds",
+        lambda items, runs: figures.accuracy(items),
+        "Left: test accuracy over all clients' test samples, each client using the model it "
+        "would use (line: mean over seeds, band: min to max). Right: mean ± std of the "
+        "per-client accuracies.",
+    ),
+    _Plot(
+        "clustering",
+        "Clustering quality",
+        lambda items, runs: figures.clustering(items),
+        "Purity and adjusted Rand index of the clients' clusters against the true groups, "
+        "and how many clusters are in use (algorithms that cluster clients).",
+    ),
+    _Plot(
+        "clusters",
+        "Cluster assignments",
+        lambda items, runs: figures.heatmaps(items),
+        "One row per client, sorted by true group (black lines between groups); the colour is "
+        "the cluster the client is in at each round (white: in no cluster: absent, or before "
+        "the algorithm clustered). Groups that share a colour were merged; "
+        "a group with several colours was split.",
+    ),
+    _Plot(
+        "communication",
+        "Accuracy against communication",
+        lambda items, runs: figures.communication(items),
+        "Test accuracy against the megabytes sent so far, uploads plus downloads, counted "
+        "where sent.",
+    ),
+    _Plot(
+        "privacy",
+        "Privacy spent",
+        lambda items, runs: figures.epsilon(items),
+        "Local differential privacy: the largest ε any client has spent so far, at the "
+        "configured δ.",
+    ),
+    _Plot(
+        "events",
+        "Events",
+        lambda items, runs: figures.events(runs),
+        "Dynamic federation: clients joining, leaving, failing to reply, drifting, and uploads "
+        "the server rejected.",
+    ),
+    _Plot(
+        "select-k",
+        "Choosing K",
+        lambda items, runs: figures.select_k(items),
+        "n_clusters: auto: the mean silhouette of k-means on the clients' warm-up updates "
+        "for each K of the range (select_k.csv); the largest is chosen (ringed). "
+        "docs/clustering.md describes the criterion.",
+    ),
+    _Plot(
+        "diagnostics",
+        "Algorithm diagnostics",
+        lambda items, runs: figures.diagnostics(items),
+        "Quantities the algorithms report about their own state (diagnostics.csv).",
+    ),
+)
+
+
 def build_sections(runs: list[RunData]) -> list[Section]:
     """Every section the runs have content for, in reading order."""
+    out = [_table(runs), *_plot_sections(runs), *_client_sections(runs)]
+    if any(r.assign for r in runs):
+        out.append(_assign_section(runs))
+    return out + _config_sections(runs, first=len(out))
+
+
+def _plot_sections(runs: list[RunData]) -> list[Section]:
     items = figures.entries(runs)
-    out: list[Section] = [_table(runs)]
-    plots = [
-        (
-            "accuracy",
-            "Accuracy over rounds",
-            figures.accuracy(items),
-            "Left: test accuracy over all clients' test samples, each client using the model it "
-            "would use (line: mean over seeds, band: min to max). Right: mean ± std of the "
-            "per-client accuracies.",
-        ),
-        (
-            "clustering",
-            "Clustering quality",
-            figures.clustering(items),
-            "Purity and adjusted Rand index of the clients' clusters against the true groups, "
-            "and how many clusters are in use (algorithms that cluster clients).",
-        ),
-        (
-            "clusters",
-            "Cluster assignments",
-            figures.heatmaps(items),
-            "One row per client, sorted by true group (black lines between groups); the colour is "
-            "the cluster the client is in at each round (white: in no cluster: absent, or before "
-            "the algorithm clustered). Groups that share a colour were merged; "
-            "a group with several colours was split.",
-        ),
-        (
-            "communication",
-            "Accuracy against communication",
-            figures.communication(items),
-            "Test accuracy against the megabytes sent so far, uploads plus downloads, counted "
-            "where sent.",
-        ),
-        (
-            "privacy",
-            "Privacy spent",
-            figures.epsilon(items),
-            "Local differential privacy: the largest ε any client has spent so far, at the "
-            "configured δ.",
-        ),
-        (
-            "events",
-            "Events",
-            figures.events(runs),
-            "Dynamic federation: clients joining, leaving, failing to reply, drifting, and uploads "
-            "the server rejected.",
-        ),
-        (
-            "select-k",
-            "Choosing K",
-            figures.select_k(items),
-            "n_clusters: auto: the mean silhouette of k-means on the clients' warm-up updates "
-            "for each K of the range (select_k.csv); the largest is chosen (ringed). "
-            "docs/clustering.md describes the criterion.",
-        ),
-        (
-            "diagnostics",
-            "Algorithm diagnostics",
-            figures.diagnostics(items),
-            "Quantities the algorithms report about their own state (diagnostics.csv).",
-        ),
-    ]
-    for key, title, fig, text in plots:
+    out = []
+    for plot in _PLOTS:
+        fig = plot.draw(items, runs)
         if fig is None:
             continue
-        section = Section(key, title, text, figures.png(fig))
-        if key == "events":
+        section = Section(plot.key, plot.title, plot.text, figures.png(fig))
+        if plot.key == "events":
             section.tables = [(r.name, _event_counts(r)) for r in runs if r.events]
-        if key == "select-k":
+        if plot.key == "select-k":
             section.tables = [(r.name, _k_curves(r)) for r in runs if r.select_k]
         out.append(section)
-    out += _client_sections(runs)
-    if any(r.assign for r in runs):
-        from fedcluster.experiment.cluster_choice import (
-            summarise,  # imports torch: only when needed
-        )
+    return out
 
-        choices = [(r.name if len(runs) > 1 else "", summarise(r.assign)) for r in runs if r.assign]
-        out.append(
-            Section(
-                "assign",
-                "Cluster choice for held-out devices",
-                "fedcluster assign --record: per algorithm and true group of the devices, the "
-                "mean accuracy of the cluster model each rule chose (entropy, confidence: "
-                "without labels; loss: with labels), and how often a label-free rule chose the "
-                "labelled rule's model (fedcluster.experiment.cluster_choice).",
-                tables=choices,
-            )
-        )
-    for run in runs:
+
+def _assign_section(runs: list[RunData]) -> Section:
+    from fedcluster.experiment.cluster_choice import (
+        summarise,  # imports torch: only when needed
+    )
+
+    choices = [(r.name if len(runs) > 1 else "", summarise(r.assign)) for r in runs if r.assign]
+    return Section(
+        "assign",
+        "Cluster choice for held-out devices",
+        "fedcluster assign --record: per algorithm and true group of the devices, the "
+        "mean accuracy of the cluster model each rule chose (entropy, confidence: "
+        "without labels; loss: with labels), and how often a label-free rule chose the "
+        "labelled rule's model (fedcluster.experiment.cluster_choice).",
+        tables=choices,
+    )
+
+
+def _config_sections(runs: list[RunData], first: int) -> list[Section]:
+    """Each run's resolved config; with several runs their keys go on from ``first``."""
+    out = []
+    for i, run in enumerate(runs):
         title = "Configuration" + ("" if len(runs) == 1 else f": {run.name}")
-        key = "config" if len(runs) == 1 else f"config-{len(out)}"
-        out.append(
-            Section(key, title, f"The resolved config.yaml of {run.path}.", code=run.config_text)
-        )
+        key = "config" if len(runs) == 1 else f"config-{first + i}"
+        text = f"The resolved config.yaml of {run.path}."
+        out.append(Section(key, title, text, code=run.config_text))
     return out
 
 
