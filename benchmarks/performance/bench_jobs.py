@@ -28,7 +28,6 @@ if __name__ == "__main__" and not __package__:  # run by path: as the module (as
 import argparse
 import csv
 import io
-import json
 import os
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 from benchmarks.performance.bench_round import machine_info
 from fedcluster.cli import main as cli
 from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.reproduce import save_json
 
 TABLES = ("metrics.csv", "clusters.csv", "events.csv", "diagnostics.csv")
 
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{parallel:.1f} s ({out['speedup']:.2f}x); same tables {same}"
     )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        save_json(Path(args.out), out)
     return out
 
 

@@ -35,10 +35,10 @@ if __name__ == "__main__" and not __package__:  # run by path: as the module (as
     raise SystemExit(0)
 
 import argparse
-import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ from fedcluster.experiment.runner import simulator_for
 from fedcluster.models import build_model
 from fedcluster.protocol.backend import Backend
 from fedcluster.protocol.batches import LocalTraining
+from fedcluster.reproduce import save_json
 
 
 class Rounds:
@@ -137,8 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"started in {start_s:.1f} s); same models {same_models}, same assignments {same_assign}"
     )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        save_json(Path(args.out), out)
     return out
 
 
