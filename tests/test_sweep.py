@@ -147,7 +147,16 @@ def test_random_search_draws_the_same_settings_for_the_same_seed():
         (["train.lr=uniform(0.5,0.1)"], 4, "must be below"),
         (["train.lr=loguniform(1e-3,1e-1)"], None, "needs --trials"),
         (["train.lr=0.1", "train.lr=0.2"], None, "swept twice"),
-        (["train.lr=0.1"], 0, "at least one trial"),
+        (["train.lr=0.1"], 0, "give 1 to 10,000 trials"),
+        (["train.lr=0.1"], 10**6, "give 1 to 10,000 trials"),
+        (
+            [
+                "train.lr=" + ",".join(str(i + 1) for i in range(200)),
+                "train.batch_size=" + ",".join(str(i + 1) for i in range(200)),
+            ],
+            None,
+            "40,000 settings",
+        ),
         ([], 3, "give the fields to draw with --sweep"),
     ],
 )

@@ -93,7 +93,8 @@ Check = Callable[[Path], bool]
 
 @dataclass
 class Case:
-    """One bad input: ``run(dir)`` returns the exit code; ``expect`` is error, ok or either."""
+    """One bad input: ``run(dir)`` returns the exit code; ``expect`` is error, ok, exit 1
+    or interrupted (exit 130 with one line, then ``check``)."""
 
     name: str
     family: str
@@ -956,6 +957,15 @@ def _inject_enospc(under: Path, budget: int | None) -> None:
 # --------------------------------------------------------------------------- running
 
 
+def _ends_with_the_error(err: str, first: str) -> bool:
+    """``err`` ends with the error line ``first``, or with it followed only by its
+    indented continuation lines (one bad field each: ``invalid config:`` naming several)."""
+    tail = err.rstrip().split(first, 1)
+    return len(tail) == 2 and all(
+        line.startswith("  ") for line in tail[1].splitlines() if line.strip()
+    )
+
+
 def run_case(case: Case, where: Path) -> tuple[str, float, str]:
     """Fork, run the case in ``where``, classify. Returns (outcome, seconds, last stderr line)."""
     where.mkdir(parents=True)
@@ -994,27 +1004,37 @@ def run_case(case: Case, where: Path) -> tuple[str, float, str]:
     rc = os.waitstatus_to_exitcode(status) if status is not None else 1
     err = (where / "stderr").read_text(errors="replace")
     last = err.strip().splitlines()[-1] if err.strip() else ""
+    return classify(case, rc, err, where), seconds, last
+
+
+def classify(case: Case, rc: int, err: str, where: Path) -> str:
+    """The outcome of ``case`` that exited with ``rc`` and wrote ``err`` in ``where``."""
     errors = [line for line in err.splitlines() if line.startswith("fedcluster: error:")]
+    if case.expect == "interrupted" and "Traceback" not in err:
+        good = rc == 130 and case.check is not None and case.check(where)
+        return "error" if good else "silently wrong"
     if "Traceback" in err or rc not in (0, 1, 2):
-        return "traceback", seconds, last
+        return "traceback"
     if case.expect == "exit 1":
         good = rc == 1 and case.check is not None and case.check(where)
-        return ("error" if good else "silently wrong"), seconds, last
-    if rc == 2 and len(errors) == 1 and err.rstrip().endswith(errors[0]):
+        return "error" if good else "silently wrong"
+    if rc == 2 and len(errors) == 1 and _ends_with_the_error(err, errors[0]):
         if case.expect == "ok" or (
             case.check_on_error and case.check is not None and not case.check(where)
         ):
-            return "silently wrong", seconds, last
-        return "error", seconds, last
+            return "silently wrong"
+        return "error"
     if rc == 0:
         if case.expect == "error":
-            return "silently wrong", seconds, last
+            return "silently wrong"
         ok = case.check is None or case.check(where)
-        return ("ok" if ok else "silently wrong"), seconds, last
-    return "traceback", seconds, last  # exit 1/2 without the one line
+        return "ok" if ok else "silently wrong"
+    return "traceback"  # exit 1/2 without the one line
 
 
 def all_cases(mount: bool) -> list[Case]:
+    from benchmarks.robustness.user_code_family import new_family_cases  # it imports this module
+
     return [
         *config_field_cases(),
         *named_config_cases(),
@@ -1024,6 +1044,7 @@ def all_cases(mount: bool) -> list[Case]:
         *verify_cases(),
         *race_cases(),
         *disk_full_cases(mount),
+        *new_family_cases(),
     ]
 
 

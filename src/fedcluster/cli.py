@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -22,6 +24,10 @@ from fedcluster.openmp import prefer_passive_wait
 
 if TYPE_CHECKING:
     from fedcluster.config.schema import ExperimentConfig
+
+
+DEBUG_ENV = "FEDCLUSTER_DEBUG"
+"""Set to 1, the environment variable that does what ``--debug`` does."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -124,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Clustered federated learning: JGL, CFLGT, DCFL, FedGroup and baselines.",
     )
     parser.add_argument("--version", action="version", version=f"fedcluster {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="after an error's one line, print its traceback, causes included (also "
+        f"{DEBUG_ENV}=1): what a plugin, model or loss raised, for a bug report",
+    )
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser("run", help="run an experiment and write its run directory")
@@ -568,6 +580,7 @@ def _main(argv: list[str] | None) -> int:
     if not argv:
         argv = ["run"]
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         if args.command == "run":
             return _run(args)
@@ -592,6 +605,8 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     except FedclusterError as exc:
+        if debug:
+            traceback.print_exception(exc)
         print(f"fedcluster: error: {exc}", file=sys.stderr)
         return 2
     except Interrupted as exc:

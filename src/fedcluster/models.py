@@ -343,9 +343,12 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 FLOAT_BYTES = 4
 
 
-def refuse_frozen(model: nn.Module, what: str) -> None:
-    """ConfigError naming the parameters of ``model`` with ``requires_grad=False``: every
-    training path updates every parameter row, so a frozen layer would be trained."""
+def check_trainable(model: nn.Module, what: str) -> None:
+    """ConfigError naming ``what`` when ``model`` has no parameters, or names the
+    parameters with ``requires_grad=False``: every training path updates every
+    parameter row, so a frozen layer would be trained."""
+    if next(model.parameters(), None) is None:
+        raise ConfigError(f"{what}: the model has no parameters to train")
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     if frozen:
         shown = ", ".join(frozen[:5]) + (f" and {len(frozen) - 5} more" if len(frozen) > 5 else "")
@@ -353,6 +356,45 @@ def refuse_frozen(model: nn.Module, what: str) -> None:
             f"{what}: parameters {shown} have requires_grad=False; fedcluster trains every "
             "parameter of a model, so frozen layers are refused: set requires_grad=True, or "
             "keep fixed layers out of the model (e.g. as a fixed feature transform of the data)"
+        )
+
+
+class ModelContractError(ConfigError):
+    """A model that does not map a batch to logits of one row per sample and class."""
+
+
+def check_model_contract(model: nn.Module, x: torch.Tensor, n_classes: int, what: str) -> None:
+    """ModelContractError naming ``what`` unless ``model`` (with parameters) maps the sample
+    batch ``x`` to a floating-point tensor of logits of shape ``(len(x), n_classes)``.
+
+    The model runs once in evaluation mode without gradients (no running statistics
+    move, no dropout mask is drawn) and its modes are restored; a model that breaks its
+    contract is then one line here rather than a traceback from a loss deep in training,
+    or predictions of classes that do not exist.
+    """
+    if len(x) == 0:
+        return
+    x = x.to(next(model.parameters()).device)
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            out = model.eval()(x)
+    except Exception as exc:  # noqa: BLE001 -- user code: any failure is named, not raised
+        raise ModelContractError(
+            f"{what}: the model's forward pass on a batch of shape {tuple(x.shape)} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    expected = (len(x), n_classes)
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        got = f"{out.dtype} tensor" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ModelContractError(f"{what}: the model returned {got}, not floating-point logits")
+    if tuple(out.shape) != expected:
+        raise ModelContractError(
+            f"{what}: the model returned logits of shape {tuple(out.shape)} for a batch of "
+            f"{len(x)}; expected {expected} ({n_classes} classes)"
         )
 
 

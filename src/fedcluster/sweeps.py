@@ -156,6 +156,11 @@ def axes_of(space: Mapping[str, Any] | Sequence[str]) -> list[Axis]:
     return axes
 
 
+MAX_SETTINGS = 10_000
+"""The most settings of one sweep (grid points or trials), and the most labelled
+entries the algorithm-parameter axes may add to one run."""
+
+
 def needs_runs(axes: Sequence[Axis], trials: int | None) -> bool:
     """Whether the sweep needs one run per setting (any field but an algorithm's parameter
     list, or a random search); otherwise it is labelled entries of one run."""
@@ -169,8 +174,8 @@ def settings_of(
 ) -> tuple[list[dict[str, Any]], list[Axis]]:
     """The settings (one dict field -> value per run) and the axes left within each run."""
     if trials is not None:
-        if trials < 1:
-            raise ConfigError(f"--trials {trials}: give at least one trial")
+        if not 1 <= trials <= MAX_SETTINGS:
+            raise ConfigError(f"--trials {trials}: give 1 to {MAX_SETTINGS:,} trials")
         if not axes:
             raise ConfigError(f"--trials {trials}: give the fields to draw with --sweep")
         rng = np.random.default_rng(seed)
@@ -189,6 +194,14 @@ def settings_of(
         raise ConfigError(f"--sweep {ranges[0]}: a range needs --trials N (a random search)")
     within = [a for a in axes if a.is_algorithm_param]
     across = [a for a in axes if not a.is_algorithm_param]
+    for kind, group in (("settings (runs)", across), ("entries of one run", within)):
+        count = math.prod(len(a.values) for a in group if not isinstance(a.values, Range))
+        if count > MAX_SETTINGS:
+            raise ConfigError(
+                f"--sweep: {count:,} {kind} in the grid of "
+                f"{' × '.join(a.field for a in group)}; at most {MAX_SETTINGS:,} "
+                "(a random search, --trials N, draws a sample of a large space)"
+            )
     combos = itertools.product(*(a.values for a in across if not isinstance(a.values, Range)))
     return [dict(zip([a.field for a in across], c, strict=True)) for c in combos], within
 

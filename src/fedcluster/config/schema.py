@@ -524,8 +524,13 @@ def describe_error(err: dict, prefix: str = "") -> str:
     if err["type"] == "value_error":
         return f"field '{loc}': {msg}" if loc else msg
     given = err.get("input")
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    shown = "" if isinstance(given, dict) else f" (got {_shortened(repr(given))})"
     return f"field '{loc}': {msg}{shown}"
+
+
+def _shortened(text: str, most: int = 80) -> str:
+    """``text``, or its first ``most`` characters and how many more there were."""
+    return text if len(text) <= most else f"{text[:most]}... ({len(text) - most:,} more characters)"
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:

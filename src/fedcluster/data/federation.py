@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedcluster.data.transforms import rotate_images
+from fedcluster.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from fedcluster.data.dataset import Dataset
@@ -151,6 +152,11 @@ class Federation:
 def _pack(
     parts: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    for client, (_, y) in enumerate(parts):
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise DataError(
+                f"client {client}'s labels are {y.dtype}, not integers (class indices)"
+            )
     sizes = [len(y) for _, y in parts]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     # Token ids (int32/int64, e.g. Sent140's) stay int64; everything else (uint8 images too)
@@ -162,11 +168,27 @@ def _pack(
     return x, y, offsets
 
 
+def _check_indices(parts: list[np.ndarray], size: int, what: str) -> None:
+    """ConfigError naming the first client whose indices are not integers in ``[0, size)``."""
+    for client, indices in enumerate(parts):
+        idx = np.asarray(indices)
+        if idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= size):
+            raise ConfigError(
+                f"partition: client {client}'s indices are not integers in [0, {size}) "
+                f"(the dataset's {size} {what})"
+            )
+
+
 def build_federation(dataset: Dataset, partition: Partition) -> Federation:
     """Gather each client's samples, rotate and relabel them as the partition says, and pack."""
     test_split = dataset.train if partition.test_pool == "train" else dataset.test
     if test_split is None:
-        raise ValueError(f"dataset {dataset.name!r} has no test split; partition needs one")
+        raise ConfigError(
+            f"dataset {dataset.name!r} has no test split; the partition's test_pool 'test' "
+            "needs one"
+        )
+    _check_indices(partition.train, len(dataset.train.y), "training samples")
+    _check_indices(partition.test, len(test_split.y), f"{partition.test_pool} samples")
     n_classes = len(dataset.classes)
     if partition.label_maps is not None:
         n_classes = int(partition.label_maps.max()) + 1

@@ -1230,4 +1230,9 @@ def make_partition(
     test = {TEST_OPTIONS[k]: options.pop(k) for k in list(options) if k in TEST_OPTIONS}
     if test:
         options["test"] = ClientTestSpec(**test)
-    return func(y_train, y_test, rng, **options)
+    partition = func(y_train, y_test, rng, **options)
+    if not isinstance(partition, Partition):
+        raise ConfigError(
+            f"data.partition.name: {name!r} returned {type(partition).__name__}, not a Partition"
+        )
+    return partition

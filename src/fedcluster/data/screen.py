@@ -71,7 +71,7 @@ def bad_samples(
     """What can be wrong with samples ``x`` [N, ...] and labels ``y`` [N] (None: no labels)
     of one ``split``, each with its mask over the samples: non-finite or huge float
     inputs, negative token ids, labels outside ``0..n_classes-1``."""
-    flat = x.reshape(len(x), -1)
+    flat = x.reshape(len(x), -1) if x.numel() else x.reshape(len(x), 0)
     if flat.is_floating_point():
         finite = torch.isfinite(flat).all(dim=1)
         found = [

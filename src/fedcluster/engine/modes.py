@@ -82,7 +82,14 @@ class CheckedLoss:
         self.name = getattr(loss, "__qualname__", None) or repr(loss)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = self.loss(logits, targets)
+        try:
+            out = self.loss(logits, targets)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- user code: any failure is named, not raised
+            raise ConfigError(
+                f"train.loss: {self.name} raised {type(exc).__name__}: {exc}"
+            ) from exc
         if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() != 1:
             what = (
                 f"a {out.dtype} tensor of shape {tuple(out.shape)}"

@@ -66,7 +66,13 @@ from fedcluster.experiment.rundir import (
     run_directory_callbacks,
 )
 from fedcluster.experiment.scenario import Scenario, flip_labels
-from fedcluster.models import build_model, check_rows_fit, refuse_frozen
+from fedcluster.models import (
+    ModelContractError,
+    build_model,
+    check_model_contract,
+    check_rows_fit,
+    check_trainable,
+)
 from fedcluster.privacy.central import CentralDP
 from fedcluster.privacy.ledger import LocalDP, reported_epsilon
 from fedcluster.protocol.backend import Backend, FederationView
@@ -101,7 +107,9 @@ def simulator_for(
     **options: Any,
 ) -> Simulator:
     """The simulator of ``federation`` with the config's loss (``loss``, a callable
-    given from Python, replaces ``train.loss``) and its buffers' treatment."""
+    given from Python, replaces ``train.loss``) and its buffers' treatment; the model
+    is first checked on two of the federation's samples (:func:`check_model_contract`)."""
+    check_model_contract(model, federation.x_train[:2], federation.n_classes, "model")
     return Simulator(
         model,
         federation,
@@ -167,7 +175,7 @@ class Experiment:
         self.config = record_given(config, model, federation, loss)
         self._model = model
         if model is not None:
-            refuse_frozen(model, "model")
+            check_trainable(model, "model")
         self._kept = kept_row(model, config.model.init)
         self._federation = (
             None
@@ -205,7 +213,7 @@ class Experiment:
         if self._model is not None:
             return self._model
         model = model_for(self.config, federation)
-        refuse_frozen(model, f"model.name {self.config.model.name!r}")
+        check_trainable(model, f"model.name {self.config.model.name!r}")
         check_rows_fit(self.config.model.name, model, rows=federation.n_clients + 1)
         return model
 
@@ -663,6 +671,11 @@ def resume(
     experiment.callbacks += list(callbacks)
     try:
         return experiment.run(path, resume=True, progress=progress)
+    except ModelContractError as exc:  # the rebuilt model no longer runs on the rebuilt data
+        raise FedclusterError(
+            f"cannot resume {path}: {exc} -- do the model and data rebuilt from "
+            f"config.yaml (model.name, data) still match the run's checkpoints?"
+        ) from exc
     except FedclusterError:
         raise
     except (RuntimeError, ValueError) as exc:  # a tensor shape: the rebuilt objects differ
