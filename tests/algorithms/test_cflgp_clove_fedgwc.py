@@ -3,6 +3,7 @@ inputs, and each method on a small federation with cluster structure."""
 
 from __future__ import annotations
 
+import csv
 import logging
 
 import numpy as np
@@ -22,10 +23,12 @@ from fedcluster.algorithms.fedgwc import (
     update_interactions,
 )
 from fedcluster.clustering.validity import ari
+from fedcluster.config.schema import validate_config
 from fedcluster.data.federation import Federation
 from fedcluster.data.sources import load_dataset
 from fedcluster.errors import ConfigError
-from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits
+from fedcluster.experiment.runner import Experiment
+from tests.helpers import FLOAT_BYTES, INT_BYTES, make_context, rotated_digits, rotated_mnist5k
 
 SMALL_MLP = {"hidden": [32]}
 
@@ -179,6 +182,27 @@ def test_clove_recovers_the_rotation_groups(rotations):
     state, out = run(alg, ctx, range(1, 11))
     assert ari(rotations.groups, alg.clusters(state)) == 1.0
     assert out.diagnostics["clove/silhouette"] > 0.5
+
+
+def test_clove_loss_vectors_are_released_under_client_level_local_dp(tmp_path):
+    """The loss vector leaves the device: released under client-level DP (the run
+    spends budget on it beside the models) and refused at record level."""
+    config = {
+        "name": "clove-dp",
+        "seeds": [0],
+        "rounds": 1,
+        "data": rotated_mnist5k(6),
+        "model": {"name": "mlp", "options": {"hidden": [16]}},
+        "algorithms": [{"name": "clove", "params": {"n_clusters": 2}}],
+    }
+    client = {**config, "privacy": {"mode": "client", "epsilon": 5.0, "max_participations": 2}}
+    Experiment(validate_config(client)).run(tmp_path / "client", progress=False)
+    with open(tmp_path / "client/metrics.csv", newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert float(row["epsilon"]) > 0
+    record = {**config, "privacy": {"mode": "record", "epsilon": 5.0, "max_participations": 1}}
+    with pytest.raises(ConfigError, match="cannot release the loss-vectors upload"):
+        Experiment(validate_config(record)).run(tmp_path / "record", progress=False)
 
 
 # ---------------------------------------------------------------------- FedGWC

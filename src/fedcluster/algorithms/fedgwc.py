@@ -48,11 +48,16 @@ with its sample count) and μ, σ² are the participants' own. The paper's
 Wasserstein-adjusted score, which weighs a clustering by the clients' class
 distributions, is not used to select k: it needs those distributions on the server.
 
-Diagnostics: ``fedgwc/clusters``, ``fedgwc/splits`` (this round), and, when a cluster
-was examined, ``fedgwc/davies_bouldin`` (best index found) and
+Diagnostics: ``fedgwc/clusters``, ``fedgwc/splits`` (this round), ``fedgwc/mse``
+(the smallest of the clusters' mse: compare it with ε), and, when a cluster was
+examined, ``fedgwc/davies_bouldin`` (best index found) and
 ``fedgwc/similarity_spread`` (max − min of P off the diagonal). A spread below 1e-6
 means the rewards carried no signal, and an examined cluster of all clients that does
-not split means no structure was found: both are logged as warnings.
+not split means no structure was found: both are logged as warnings, as is an mse that
+never falls below ε in 20 times the rounds a client waits to be sampled. ε is not
+scale-free: the mse plateaus near α²·Var(r/Σr), so a federation smaller than the
+paper's (fewer clients, a larger α) needs a larger ε (1e-3 for 16-32 clients, half
+of them a round, in our tests and docs/reproduction.md).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
+    Context,
     RoundOutput,
     State,
     log,
@@ -78,6 +84,10 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.rng import derive_seed
+
+SETTLE_WAITS = 20
+"""Rounds, in units of a client's wait to be sampled, after which FedGWC warns that its
+interactions never settled (:meth:`FedGWC.check_settling`)."""
 
 FLAT_SPREAD = 1e-6
 """A similarity matrix whose off-diagonal entries span less than this carries no signal."""
@@ -189,6 +199,11 @@ class FedGWC(Algorithm[FedGWCParams, FedGWCState]):
     Params = FedGWCParams
     StateType = FedGWCState
 
+    def __init__(self, params: FedGWCParams, ctx: Context) -> None:
+        super().__init__(params, ctx)
+        self._examined = False
+        self._warned = False
+
     def init_state(self) -> FedGWCState:
         n = self.ctx.n_clients
         return FedGWCState(
@@ -221,7 +236,28 @@ class FedGWC(Algorithm[FedGWCParams, FedGWCState]):
                 if state.calm[c] >= self.patience(state, int(c), m):
                     state = self.examine(state, int(c), rnd, most, report)
         report["fedgwc/clusters"] = float(len(state.models))
+        report["fedgwc/mse"] = float(state.mse.min())
+        self.check_settling(state, rnd, len(ex.clients), report)
         return RoundOutput(state, weighted_loss(ex.loss, sizes), report)
+
+    def check_settling(
+        self, state: FedGWCState, rnd: int, m: int, report: dict[str, float]
+    ) -> None:
+        """Warn once if no cluster was examined in ``SETTLE_WAITS`` times the rounds a
+        client waits to be sampled: the mse plateaus above ε (its level scales with
+        α² and so with the federation), and FedGWC never clusters."""
+        if "fedgwc/davies_bouldin" in report:
+            self._examined = True
+        waited = rnd >= SETTLE_WAITS * int(np.ceil(self.ctx.n_clients / max(m, 1)))
+        if waited and not self._examined and not self._warned:
+            self._warned = True
+            log.warning(
+                "fedgwc round %d: the interactions have not settled (smallest mse %.3g, "
+                "eps %.3g): no cluster was examined; a larger eps lets FedGWC cluster",
+                rnd,
+                float(state.mse.min()),
+                self.params.eps,
+            )
 
     def patience(self, state: FedGWCState, c: int, m: int) -> int:
         """Rounds of converged interactions before cluster ``c`` is examined."""
