@@ -327,3 +327,28 @@ def test_fedgwc_warns_when_all_clients_show_no_structure(caplog):
         state, _ = run(alg, ctx, range(1, 31), selected=half)
     assert len(state.models) == 1
     assert any("no cluster structure" in r.message for r in caplog.records)
+
+
+def test_fedgwc_warns_when_its_interactions_never_settle(caplog):
+    """ε far below the mse's plateau: after 20 times a client's wait to be sampled
+    (16 clients, 8 a round: 40 rounds) no cluster was examined, and FedGWC says so."""
+    ctx = make_context(unequal_rotations(), **SMALL_MLP)
+    alg = FedGWC(FedGWC.Params(eps=1e-12), ctx)
+    with caplog.at_level(logging.WARNING, logger="fedcluster"):
+        state, out = run(alg, ctx, range(1, 41), selected=half)
+    assert len(state.models) == 1 and out.diagnostics["fedgwc/mse"] > 1e-12
+    warned = [r for r in caplog.records if "have not settled" in r.message]
+    assert len(warned) == 1 and "round 40" in warned[0].message
+
+
+def test_clove_warns_once_when_the_silhouette_stays_below_its_bound(caplog):
+    """One group of clients: the 4 groups k-means forms have a silhouette of 0.36-0.45
+    in rounds 3-5 (seed 0), below the bound 0.5 given here: one warning, not one per
+    round."""
+    fed = rotated_digits(n_groups=1, clients_per_group=12, per_client=60)
+    ctx = make_context(fed, **SMALL_MLP)
+    alg = CLoVE(CLoVE.Params(n_clusters=4, warmup_rounds=2, warn_silhouette=0.5), ctx)
+    with caplog.at_level(logging.WARNING, logger="fedcluster"):
+        _, out = run(alg, ctx, range(1, 6))
+    warned = [r for r in caplog.records if "no cluster structure" in r.message]
+    assert len(warned) == 1 and out.diagnostics["clove/groups"] == 4.0

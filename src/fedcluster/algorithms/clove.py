@@ -35,7 +35,10 @@ Diagnostics: ``clove/silhouette``, the silhouette of the round's grouping of the
 loss vectors (Euclidean), and ``clove/groups``, the number of groups formed. A
 silhouette below ``warn_silhouette`` after the first ``warmup_rounds`` rounds is
 logged as a warning once per run: the loss vectors then show no cluster
-structure, and the grouping is arbitrary.
+structure, and the grouping is arbitrary. The silhouette is a weak signal on
+small federations: 12 clients of one group gave 0.33-0.56 over 15 rounds in our
+runs, 4 rotation groups 0.25-0.5 in the first 5 rounds and 0.6-0.85 once found;
+the default bound catches only loss vectors without any structure.
 """
 
 from __future__ import annotations
