@@ -36,6 +36,7 @@ PARAMS: dict[str, dict] = {
     "cflgp": {"n_clusters": 2},
     "clove": {"n_clusters": 2},
     "fedgwc": {},
+    "pfedgraph": {},
 }
 UPLOADS_NOTHING = {"local"}  # its models never leave the clients: nothing to reject
 OWN_TRAINING = {"fedem": "components", "fedsoft": "row"}
