@@ -16,6 +16,12 @@ one), with IFCA and FedAvg beside them; seeds 0..N-1.
 - ``fedgwc-label-skew`` (reduced): the same with label skew instead of rotations,
   4 groups holding the digits 0-4, 5-9, the even and the odd ones (compare-cfl's
   label-skew table), 8 clients per group.
+- ``pfedgraph`` (reduced): mnist5k, 16 clients in 4 groups holding the digits 0-1,
+  2-3, 4-5 and 6-7 (the paper's CIFAR-10 "2 classes per client" skew, on MNIST),
+  the MLP 784-64-10, 15 rounds, beside local training; "graph weight in group" is
+  the mean weight a client's row of the final graph gives its own group. The
+  paper's setting (CIFAR-10, 10 clients, 400 local iterations, 50 rounds) did not
+  fit the session.
 
 Writes ``new_methods.json`` (each job's summary, ARI per round) and
 ``new_methods.md`` (the table) under ``--out``:
@@ -96,6 +102,29 @@ def _fedgwc_label_skew() -> dict:
 
 
 SETTINGS["fedgwc-label-skew"] = _fedgwc_label_skew()
+SETTINGS["pfedgraph"] = {
+    "preset": "compare-cfl",
+    "truth": lambda g: g,
+    "sets": [
+        "data.partition={name: cluster_table, table: "
+        + json.dumps(
+            [[int(str(c) in held) for c in range(10)] for held in ("01", "23", "45", "67")]
+        )
+        + ", clients_per_cluster: 4, samples_per_client: 125, test_fraction: 0.2}",
+        "algorithms=[{name: pfedgraph}, {name: local}, {name: fedavg}, "
+        "{name: ifca, params: {n_clusters: 4}}]",
+    ],
+}
+
+
+def in_group_weight(run_dir: Path, label: str, seed: int, groups: np.ndarray) -> float | None:
+    """The mean weight a client's row of pFedGraph's final graph gives its own group."""
+    path = run_dir / "artifacts" / f"{label}-seed{seed}.npz"
+    if not path.exists():
+        return None
+    graph = np.load(path)["graph"]
+    same = groups[:, None] == groups[None, :]
+    return float((graph * same).sum(axis=1).mean())
 
 
 def ari_by_round(run_dir: Path, truth) -> dict[tuple[str, int], list[float]]:
@@ -120,7 +149,11 @@ def run(
         path = out / name
         summaries = run_setting(spec["preset"], spec["sets"], seeds, path, data_dir, rounds)
         aris = ari_by_round(path, spec["truth"])
+        clusters = pd.read_csv(path / "clusters.csv")
+        first = clusters[clusters["round"] == clusters["round"].min()]
+        groups = first.drop_duplicates("client").sort_values("client")["true_group"].to_numpy()
         for job in summaries:
+            job["in_group_weight"] = in_group_weight(path, job["algorithm"], job["seed"], groups)
             rows = job.pop("rows")
             curve = aris.get((job["algorithm"], int(job["seed"])), [])  # FedAvg: no clusters
             job["setting"] = name
@@ -154,6 +187,11 @@ def table(jobs: list[dict]) -> list[dict[str, str]]:
                     "final ARI": mean_std([c[-1] for c in curves], 1, 2),
                     "ARI 1 reached": f"{len(done)}/{len(curves)}" if curves else "-",
                     "first round at ARI 1": mean_std(done, 1, 1) if done else "-",
+                    "graph weight in group": mean_std(
+                        [j["in_group_weight"] for j in s if j["in_group_weight"] is not None],
+                        1,
+                        2,
+                    ),
                     "MB up": mean_std([j["bytes_up"] for j in s], 1e-6, 1),
                 }
             )
