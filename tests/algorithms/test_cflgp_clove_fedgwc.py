@@ -13,6 +13,7 @@ from sklearn.cluster import KMeans, SpectralClustering
 from sklearn.manifold import SpectralEmbedding
 from sklearn.metrics import davies_bouldin_score
 
+from fedcluster.algorithms import cflgp
 from fedcluster.algorithms.cflgp import CFLGP, match_labels, profile_embedding, profile_partition
 from fedcluster.algorithms.clove import CLoVE, group_loss_vectors, match_groups_to_models
 from fedcluster.algorithms.fedgwc import (
@@ -128,6 +129,14 @@ def test_cflgp_projection_keeps_the_same_coordinates_and_still_clusters(rotation
     state, _ = run(alg, ctx, range(1, 2))
     assert state.profiles.shape == (16, 4, 300)
     assert ari(rotations.groups, alg.clusters(state)) == 1.0
+
+
+def test_cflgp_refuses_a_profile_too_large_and_names_what_fits(rotations, monkeypatch):
+    ctx = make_context(rotations, **SMALL_MLP)
+    monkeypatch.setattr(cflgp, "PROFILE_BYTES", 16 * 4 * 100 * 4)  # 100 coordinates fit
+    with pytest.raises(ConfigError, match="profile_coordinates: 100 "):
+        CFLGP(CFLGP.Params(n_clusters=4), ctx)
+    assert CFLGP(CFLGP.Params(n_clusters=4, profile_coordinates=100), ctx).width == 100
 
 
 def test_cflgp_warns_when_the_profile_has_no_cluster_structure(caplog):

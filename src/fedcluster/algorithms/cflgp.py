@@ -42,7 +42,8 @@ clustering every client uses θ_1. The clients clustered are those with a profil
 Projection: ``profile_coordinates`` keeps a random subset of that many coordinates
 of each update (the reference code's ``use_reduced_G``, which keeps 1 % of them),
 drawn once from the seed; None keeps all trainable parameters. The profile holds
-n·K·p floats.
+n·K·p floats, at most 1 GiB (``PROFILE_BYTES``; a larger one is a configuration
+error that names the number of coordinates that fit).
 
 Diagnostics: ``cflgp/block`` (the profiled model of a clustering round) and
 ``cflgp/gap`` = σ_K/σ_{K+1}, the ratio of G's K-th to (K+1)-th singular value: K
@@ -73,7 +74,11 @@ from fedcluster.algorithms.base import (
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.clustering.methods import kmeans_pp
+from fedcluster.errors import ConfigError
 from fedcluster.rng import derive_seed, numpy_rng
+
+PROFILE_BYTES = 2**30
+"""The largest gradient profile (n·K·p float32) a run may keep in its state."""
 
 
 class CFLGPParams(AlgorithmParams):
@@ -158,6 +163,15 @@ class CFLGP(Algorithm[CFLGPParams, CFLGPState]):
             )
             self.coordinates = torch.as_tensor(np.sort(pick))
         self.width = width if self.coordinates is None else len(self.coordinates)
+        floats = ctx.n_clients * params.n_clusters * self.width
+        if floats * 4 > PROFILE_BYTES:
+            fit = max(1, PROFILE_BYTES // (4 * ctx.n_clients * params.n_clusters))
+            raise ConfigError(
+                f"cflgp.profile_coordinates: the gradient profile would hold {floats:,} floats "
+                f"({floats * 4 / 2**30:.1f} GiB) for {ctx.n_clients} clients, "
+                f"{params.n_clusters} models and {self.width:,} coordinates; keep at most "
+                f"profile_coordinates: {fit} (the reference code keeps 1 %)"
+            )
 
     def init_state(self) -> CFLGPState:
         k, n = self.params.n_clusters, self.ctx.n_clients
