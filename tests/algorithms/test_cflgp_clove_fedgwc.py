@@ -121,6 +121,41 @@ def test_cflgp_finds_the_rotation_groups_in_its_first_clustering_round(rotations
     assert (state.counts[:, :3] == 1).all() and not state.counts[:, 3].any()
 
 
+def test_cflgp_under_partial_participation_clusters_the_profiled_clients(rotations):
+    """Half the clients a round, clustering every round at θ_1 (``rotate: false``): a
+    client is clustered once it has a profile, unprofiled clients keep cluster 0, and
+    a client's cluster does not change name between clustering rounds (the matching)."""
+    ctx = make_context(rotations, **SMALL_MLP)
+    alg = CFLGP(CFLGP.Params(n_clusters=4, period=1, rotate=False), ctx)
+    state = alg.init_state()
+    rng = np.random.default_rng(1)
+    seen = np.zeros(16, dtype=bool)
+    previous = None
+    for rnd in (1, 2, 3):
+        ctx.channel.start_round()
+        selected = np.sort(rng.choice(16, 8, replace=False))
+        state = alg.run_round(state, rnd, selected).state
+        seen[selected] = True
+        labels = alg.clusters(state)
+        assert np.array_equal(state.counts.sum(axis=1) > 0, seen)
+        assert (labels[~seen] == 0).all()
+        assert ari(rotations.groups[seen], labels[seen]) == 1.0
+        if previous is not None:
+            both = previous[1] & seen
+            assert np.array_equal(labels[both], previous[0][both])
+        previous = (labels, seen.copy())
+
+
+def test_cflgp_warns_when_partial_participation_meets_rotating_profiles(rotations, caplog):
+    ctx = make_context(rotations, **SMALL_MLP)
+    alg = CFLGP(CFLGP.Params(n_clusters=4, period=1), ctx)
+    halves = iter([np.arange(0, 16, 2), np.arange(1, 16, 2), np.arange(16)])
+    with caplog.at_level(logging.WARNING, logger="fedcluster"):
+        state, _ = run(alg, ctx, range(1, 4), selected=lambda rng: next(halves))
+    assert (state.counts.sum(axis=1) > 0).all()
+    assert len([r for r in caplog.records if "different models" in r.message]) == 1
+
+
 def test_cflgp_projection_keeps_the_same_coordinates_and_still_clusters(rotations):
     ctx = make_context(rotations, **SMALL_MLP)
     alg = CFLGP(CFLGP.Params(n_clusters=4, profile_coordinates=300), ctx)
@@ -169,6 +204,14 @@ def test_clove_groups_loss_vectors_and_matches_them_to_distinct_models():
     cost = [[losses[groups == g][:, k].mean() for k in range(2)] for g in range(2)]
     options = {(0, 1): cost[0][0] + cost[1][1], (1, 0): cost[0][1] + cost[1][0]}
     assert tuple(match_groups_to_models(losses, groups)) == min(options, key=options.get)
+
+
+def test_clove_with_fewer_distinct_loss_vectors_than_models():
+    """Three clients, four models: three groups, each on its own model."""
+    losses = np.array([[1.0, 2.0, 3.0, 4.0], [4.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
+    groups = group_loss_vectors(losses, 4, seed=0)
+    assert groups.tolist() == [0, 1, 0]
+    assert match_groups_to_models(losses, groups).tolist() == [0, 1]
 
 
 def test_clove_counts_the_loss_vectors_it_uploads_and_refuses_device_choice(rotations):

@@ -34,6 +34,12 @@ blocks, block k the client's accumulated gradient information at θ_k. Every
    permutation; the Hungarian method on the contingency table gives the same
    optimum, :func:`match_labels`).
 
+Partial participation: the reference code profiles every client in every
+clustering round. When clients skip clustering rounds and the models take turns,
+their profiles are filled in different blocks, and the empty blocks, not the data,
+then dominate the distances (a warning says so); ``rotate: false`` keeps every
+profile in one block and clusters correctly with any participation.
+
 Every round, each selected client then trains the model of its cluster, and the
 server averages each cluster's uploads (weighted by sample count). Before the first
 clustering every client uses θ_1. The clients clustered are those with a profile
@@ -163,6 +169,7 @@ class CFLGP(Algorithm[CFLGPParams, CFLGPState]):
             )
             self.coordinates = torch.as_tensor(np.sort(pick))
         self.width = width if self.coordinates is None else len(self.coordinates)
+        self._warned_coverage = False
         floats = ctx.n_clients * params.n_clusters * self.width
         if floats * 4 > PROFILE_BYTES:
             fit = max(1, PROFILE_BYTES // (4 * ctx.n_clients * params.n_clusters))
@@ -225,6 +232,15 @@ class CFLGP(Algorithm[CFLGPParams, CFLGPState]):
         profiles[ex.clients, block] = old + beta[:, None] * (update.float() - old)
         counts[ex.clients, block] += 1
         profiled = np.flatnonzero(counts.sum(axis=1) > 0)
+        covered = counts[profiled] > 0
+        if (covered != covered[0]).any() and not self._warned_coverage:
+            self._warned_coverage = True
+            log.warning(
+                "cflgp round %d: the profiled clients were profiled at different models "
+                "(partial participation with rotate: true); their empty blocks distort the "
+                "clustering: use rotate: false, or every client in the clustering rounds",
+                rnd,
+            )
         seed = derive_seed(ctx.seed, "cflgp/kmeans", rnd) % 2**32
         new, singular = profile_partition(
             profiles[profiled].reshape(len(profiled), -1), p.n_clusters, seed, p.n_init
