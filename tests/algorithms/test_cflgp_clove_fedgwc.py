@@ -187,9 +187,9 @@ def test_cflgp_warns_when_the_profile_has_no_cluster_structure(caplog):
 
 # ---------------------------------------------------------------------- CLoVE
 def test_clove_groups_loss_vectors_and_matches_them_to_distinct_models():
-    """The paper's Fig. 1 example: both groups have their lowest loss on θ_1 (IFCA
-    would put all on it), their loss vectors still separate, and the groups take
-    distinct models with the least total loss."""
+    """The example of the paper's introductory figure: both groups have their lowest
+    loss on θ_1 (IFCA would put all on it), their loss vectors still separate, and the
+    groups take distinct models with the least total loss."""
     rng = np.random.default_rng(0)
     first = np.array([1.0, 5.1]) + 0.05 * rng.normal(size=(6, 2))
     second = np.array([2.1, 3.5]) + 0.05 * rng.normal(size=(6, 2))

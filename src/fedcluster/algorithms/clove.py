@@ -1,6 +1,7 @@
-"""CLoVE: "Loss-Vector-based Clustered Federated Learning" (Clustering of Loss Vector
-Embeddings; Nokia Bell Labs, arXiv:2506.22427, 2025), the CLoVE algorithm as its
-abstract and Fig. 1 describe it (the full text and the authors' repository
+"""CLoVE: "CLoVE: Personalized Federated Learning through Clustering of Loss Vector
+Embeddings" (Nokia Bell Labs and Northwestern University, arXiv:2506.22427, 2025),
+the algorithm as its abstract and its introductory figure describe it (the full text
+and the authors' repository
 github.com/Nokia-Bell-Labs/Loss-Vector-based-Clustered-Federated-Learning could not
 be read here; section and equation numbers are not given because we could not
 check them).
@@ -11,8 +12,8 @@ L_i = (F_i(θ_1), ..., F_i(θ_K)) -- its embedding. The server clusters the loss
 vectors into K groups (k-means, k-means++ seeding), because clients of one data
 distribution have similar losses on every model while clients of different ones
 differ on at least one, even when all of them prefer the same model (the paper's
-Fig. 1: IFCA, which lets every client pick its argmin model, puts both groups on
-one model; their loss vectors still separate). Each group is then matched to a
+introductory figure: IFCA, which lets every client pick its argmin model, puts both
+groups on one model; their loss vectors still separate). Each group is then matched to a
 distinct model and its members train that model; the server averages per
 cluster (the cluster-model machinery of :mod:`fedcluster.algorithms.cluster_models`:
 per-cluster FedAvg, rejected uploads, repair, weight sharing).
@@ -20,7 +21,7 @@ per-cluster FedAvg, rejected uploads, repair, weight sharing).
 Matching groups to models: a group g and a model k cost the mean loss of g's
 members on θ_k, and the groups take distinct models minimising the total cost
 (the Hungarian method, ``scipy.optimize.linear_sum_assignment``). On the
-paper's Fig. 1 example (losses 1.0 and 5.1 for the first group, 2.1 and 3.5 for
+paper's figure example (losses 1.0 and 5.1 for the first group, 2.1 and 3.5 for
 the second) this gives the first group θ_1 and the second θ_2, the separation the
 paper describes; it is our reading of that example, not the paper's stated rule.
 
