@@ -33,6 +33,10 @@ PARAMS: dict[str, dict] = {
     "cflgt": {"pretrain_rounds": 1, "cluster_fraction": None},
     "pacfl": {"n_clusters": 2},
     "wecfl": {"n_clusters": 2},
+    "cflgp": {"n_clusters": 2},
+    "clove": {"n_clusters": 2},
+    "fedgwc": {},
+    "pfedgraph": {},
 }
 UPLOADS_NOTHING = {"local"}  # its models never leave the clients: nothing to reject
 OWN_TRAINING = {"fedem": "components", "fedsoft": "row"}

@@ -65,6 +65,7 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
             Request(shared={"models": rows}, settings=train),
             Request(shared={"models": rows}, settings={**train, "batches": "all"}),
         ],
+        "loss-vectors": [Request(shared={"models": rows}, settings={**train, "batches": "all"})],
         "evaluate": [
             Request(
                 shared={"models": rows},

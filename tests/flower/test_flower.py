@@ -34,6 +34,9 @@ SMALL = {
     "wecfl": {"n_clusters": 2},
     "fedem": {"n_components": 2},
     "fedsoft": {"n_clusters": 2},
+    "cflgp": {"n_clusters": 2},
+    "clove": {"n_clusters": 2},
+    "fedgwc": {"eps": 1.0, "patience": 1},  # examined from round 1 on
 }
 SMALL_IFCA = {"name": "ifca", "params": SMALL["ifca"]}
 CONFIG = {

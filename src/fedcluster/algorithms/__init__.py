@@ -1,5 +1,6 @@
 """The clustered-FL methods, one module per method (FedAvg, IFCA, JGL, CFLGT,
-DCFL, FedGroup, CFL, FeSEM, FL+HC, PACFL, WeCFL, FedSoft, FedEM, local), with
+DCFL, FedGroup, CFL, FeSEM, FL+HC, PACFL, WeCFL, FedSoft, FedEM, CFL-GP, CLoVE,
+FedGWC, pFedGraph, local), with
 their shared server steps (``base``, ``cluster_models``, ``aggregation``, robust
 rules, repair, the choice of the cluster count). An algorithm reaches clients
 only through ``protocol``'s channel; the package may import ``engine`` and every
@@ -8,11 +9,14 @@ layer below it, never ``experiment``, ``flower`` or the entry points.
 
 from fedcluster.algorithms import (  # noqa: F401  (registration)
     cfl,
+    cflgp,
     cflgt,
+    clove,
     dcfl,
     fedavg,
     fedem,
     fedgroup,
+    fedgwc,
     fedsoft,
     fesem,
     flhc,
@@ -20,6 +24,7 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     jgl,
     local,
     pacfl,
+    pfedgraph,
     wecfl,
 )
 from fedcluster.algorithms.base import (

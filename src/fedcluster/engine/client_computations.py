@@ -216,3 +216,17 @@ EVALUATE_MODELS = register_computation(
 )
 """Correct predictions [K], sample count and summed losses [K] of each of the K received
 ``models`` on the client's data (IFCA's own-loss test protocol: every model, one pass)."""
+
+
+LOSS_VECTORS = register_computation(
+    ClientComputation(
+        name="loss-vectors",
+        reply={"losses": ReplyField(n_models)},
+        batched_run=_losses,
+        privacy="release",
+        release=vector_release("losses", "loss-vector"),
+    )
+)
+"""The same K losses as :data:`LOSSES`, uploaded to the server as the client's embedding
+(CLoVE clusters them there): counted in ``bytes_up`` and released under local DP
+(clipped and noised where the client is) like any vector upload."""

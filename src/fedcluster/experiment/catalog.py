@@ -50,6 +50,14 @@ ALGORITHMS = {
     "(Marfoq et al., NeurIPS 2021, Alg. 1, eqs. 8-10)",
     "fedsoft": "FedSoft: importance weights from the best-fitting cluster model per sample, "
     "proximal local updates toward the cluster models (Ruan & Joe-Wong, AAAI 2022, Alg. 1)",
+    "cflgp": "CFL-GP: accumulated gradient profiles at each cluster model, periodic spectral "
+    "clustering and label matching (Kim et al., ICML 2024)",
+    "clove": "CLoVE: each client's losses on the K models are its embedding; k-means of the loss "
+    "vectors, groups matched to distinct models (arXiv:2506.22427, 2025)",
+    "fedgwc": "FedGWC: Gaussian rewards of empirical losses build an interaction matrix; "
+    "recursive spectral splits scored by Davies-Bouldin (Licciardi et al., ICML 2025)",
+    "pfedgraph": "pFedGraph: personalised models aggregated along a collaboration graph "
+    "inferred from model similarity (Ye et al., ICML 2023)",
 }
 
 DATASETS = {
