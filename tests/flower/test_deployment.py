@@ -4,10 +4,10 @@ The runs use the quickstart's federation (``--preset quickstart``: 24 clients
 of mnist5k in 4 rotation groups; a small MLP and few rounds keep them fast): a
 ``flower-superlink``, ``flower-supernode`` processes each holding a block of the
 clients (each node given only its own data folder) and a long-lived ClientApp
-worker per node, the Flower App submitted with ``flwr run``. Five runs in all,
+worker per node, the Flower App submitted with ``flwr run``. Six runs in all,
 each checking several things: a SIGKILLed node that comes back and a corrupt
 client file (TLS); a failed ServerApp (TLS and SuperNode authentication);
-Ctrl-C; nodes in network namespaces of their own; docs/flower.md's guide as
+Ctrl-C and SIGTERM, each resumed; nodes in network namespaces of their own; docs/flower.md's guide as
 written, whose run equals the simulator's. Marker ``deployment``; each test is
 bounded by the launcher's timeout and a SIGALRM guard.
 
@@ -298,20 +298,28 @@ def test_bad_launcher_input_is_one_line(tmp_path):
         run_local(config, tmp_path / "nodes", N_CLIENTS + 1, emit=lambda s: None)
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
-    """SIGINT to `fedcluster flower local` mid-run: non-zero exit, no process left."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_every_process_in_one_line_and_the_run_resumes(tmp_path, signum):
+    """SIGINT or SIGTERM to `fedcluster flower local` mid-run: exit 130 with one line
+    (no traceback), no process left, and `fedcluster resume` completes the run from
+    its last checkpoint."""
     import subprocess
     import sys
 
+    from fedcluster.cli import main
+
     config = tmp_path / "c.yaml"
     # long enough that the run is still going when the signal comes, on any machine
-    config.write_text(json.dumps(_config(["fedavg"], rounds=500).model_dump(mode="json")))
+    rounds = 60
+    config.write_text(json.dumps(_config(["fedavg"], rounds=rounds).model_dump(mode="json")))
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cli = [sys.executable, "-m", "fedcluster.cli", "flower", "local", str(config)]
     proc = subprocess.Popen(
         [*cli, "--nodes", "1", "--out", str(run)],
         env=env,
+        stderr=subprocess.PIPE,
+        text=True,
         # a test run started in the background inherits SIGINT ignored (POSIX shells do
         # that to `&` jobs); a user's terminal does not
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -326,12 +334,16 @@ def test_ctrl_c_stops_every_process(tmp_path):
     while rounds_done() < 1 and time.monotonic() < end and proc.poll() is None:
         time.sleep(0.2)  # the nodes are up and the ServerApp is running rounds
     assert proc.poll() is None, "the deployment ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) != 0
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "fedcluster: interrupted"
     nodes = json.loads(nodes_json.read_text())
     pids = [nodes["superlink"]["pid"]]
     pids += [p for n in nodes["nodes"] for p in (n["pid"], n["worker_pid"])]
     assert not [p for p in pids if _alive(p)]
+    assert main(["resume", str(run), "--quiet", "--no-report"]) == 0
+    assert rounds_done() == rounds
 
 
 def _ip(*args: str) -> None:
