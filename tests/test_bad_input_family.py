@@ -25,6 +25,7 @@ SAMPLE = {
         user_code_cases,
         [
             "model returns NaN",
+            "loss returns NaN",
             "model returns the wrong width",
             "model with no parameters",
             "loss raises",

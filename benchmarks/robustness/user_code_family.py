@@ -298,6 +298,9 @@ def _signal_after(seconds: float, signum: int, argv: list[str]) -> Callable[[Pat
     """Run ``argv`` and deliver ``signum`` to this process after ``seconds``."""
 
     def go(d: Path) -> int:
+        # a benchmark started in the background inherits SIGINT ignored (POSIX shells do
+        # that to `&` jobs); a user's terminal delivers it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         timer = threading.Timer(seconds, os.kill, (os.getpid(), signum))
         timer.daemon = True
         timer.start()

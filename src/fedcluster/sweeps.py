@@ -46,7 +46,7 @@ import numpy as np
 from fedcluster.config import safeyaml
 from fedcluster.config.overrides import apply_sweeps, parse_values, run_slug, value_text
 from fedcluster.config.schema import ExperimentConfig, apply_set, load_yaml, validate_config
-from fedcluster.errors import ConfigError
+from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.experiment import safefiles
 from fedcluster.experiment.callbacks import Callback
 from fedcluster.experiment.summary import format_table
@@ -223,9 +223,9 @@ def config_for(
 
 def is_sweep(path: str | Path) -> bool:
     """Whether ``path`` is a sweep directory (its ``summary.json`` lists settings)."""
-    try:
-        data = json.loads((Path(path) / "summary.json").read_text())
-    except (OSError, ValueError):
+    try:  # a run directory's summary.json: its own reader names what is wrong with it
+        data = json.loads(safefiles.read_bytes(Path(path) / "summary.json"))
+    except (OSError, ValueError, RecursionError, FedclusterError):
         return False
     return isinstance(data, dict) and "settings" in data and "results" in data
 

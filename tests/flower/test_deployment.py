@@ -7,9 +7,9 @@ clients (each node given only its own data folder) and a long-lived ClientApp
 worker per node, the Flower App submitted with ``flwr run``. Six runs in all,
 each checking several things: a SIGKILLed node that comes back and a corrupt
 client file (TLS); a failed ServerApp (TLS and SuperNode authentication);
-Ctrl-C and SIGTERM, each resumed; nodes in network namespaces of their own; docs/flower.md's guide as
-written, whose run equals the simulator's. Marker ``deployment``; each test is
-bounded by the launcher's timeout and a SIGALRM guard.
+Ctrl-C and SIGTERM, each resumed; nodes in network namespaces of their own;
+docs/flower.md's guide as written, whose run equals the simulator's. Marker
+``deployment``; each test is bounded by the launcher's timeout and a SIGALRM guard.
 
 About 2 minutes on a quiet 2-core machine (Flower's SuperNode polls for
 messages every 3 s); run them alone with
