@@ -137,7 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEBUG_ENV}=1): what a plugin, model or loss raised, for a bug report",
     )
     sub = parser.add_subparsers(dest="command")
+    _run_parsers(sub)
+    _resume_parser(sub)
+    _report_parser(sub)
+    _assign_parser(sub)
+    _catalog_parsers(sub)
+    _flower_parsers(sub)
+    ver = sub.add_parser("verify", help="check local dataset files against pinned SHA-256 sums")
+    ver.add_argument("--data-dir", help="dataset root (default $FEDCLUSTER_DATA or the user cache)")
+    return parser
 
+
+def _run_parsers(sub: argparse._SubParsersAction) -> None:
+    """``run`` and ``compare``."""
     run = sub.add_parser("run", help="run an experiment and write its run directory")
     _common(run)
     run.add_argument("--seed", type=int, help="random seed")
@@ -159,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sweep_flags(compare)
     compare.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
 
+
+def _resume_parser(sub: argparse._SubParsersAction) -> None:
     res = sub.add_parser("resume", help="continue a killed run from its checkpoints")
     res.add_argument("dir", help="run directory")
     res.add_argument("--quiet", action="store_true")
@@ -177,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _distributed_flags(res)
 
+
+def _report_parser(sub: argparse._SubParsersAction) -> None:
     rep = sub.add_parser("report", help="write report.html and report.md of one or more runs")
     rep.add_argument(
         "runs", nargs="+", metavar="RUN", help="run directories (or one sweep directory)"
@@ -185,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="report folder (default: the run directory; needed for several runs)"
     )
 
+
+def _assign_parser(sub: argparse._SubParsersAction) -> None:
     asg = sub.add_parser(
         "assign",
         help="which cluster model of a finished run a device should use for its (unlabelled) data",
@@ -212,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust", action="store_true", help="import the code config.yaml names (as resume)"
     )
 
+
+def _catalog_parsers(sub: argparse._SubParsersAction) -> None:
+    """``list`` and ``show``."""
     lst = sub.add_parser("list", help="what each algorithm, dataset, partition, model, preset is")
     lst.add_argument(
         "section",
@@ -223,10 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a preset's resolved config (YAML)")
     show.add_argument("preset", help="preset name (see `fedcluster list presets`)")
     show.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    _flower_parsers(sub)
-    ver = sub.add_parser("verify", help="check local dataset files against pinned SHA-256 sums")
-    ver.add_argument("--data-dir", help="dataset root (default $FEDCLUSTER_DATA or the user cache)")
-    return parser
 
 
 def _flower_parsers(sub: argparse._SubParsersAction) -> None:

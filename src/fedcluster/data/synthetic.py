@@ -44,22 +44,10 @@ def synthetic_bytes(n_clients: int, n_features: int, n_classes: int) -> int:
     return n_clients * per_client
 
 
-def synthetic_federation(
-    n_clients: int,
-    alpha: float,
-    beta: float,
-    seed: int,
-    *,
-    iid: bool = False,
-    n_features: int = 60,
-    n_classes: int = 10,
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per-client ``(x, y)``: x float32 ``[n_k, n_features]``, y int64 ``[n_k]``.
-
-    Raises:
-        ConfigError: a count is not a positive integer (``n_classes``: >= 2),
-            ``alpha`` or ``beta`` is not a number >= 0, or ``iid`` is not a bool.
-    """
+def _check_options(
+    n_clients: int, alpha: float, beta: float, iid: bool, n_features: int, n_classes: int
+) -> None:
+    """ConfigError naming the first option out of range, or the memory it would need."""
     for field, value, low, high in (
         ("n_clients", n_clients, 1, MAX_COUNT),
         ("n_features", n_features, 1, MAX_FEATURES),
@@ -91,6 +79,25 @@ def synthetic_federation(
             f"{need / 2**30:.1f} GiB (mean client size {MEAN_CLIENT_SIZE}), more than the "
             f"{allowed_bytes() / 2**30:.1f} GiB this process may allocate"
         )
+
+
+def synthetic_federation(
+    n_clients: int,
+    alpha: float,
+    beta: float,
+    seed: int,
+    *,
+    iid: bool = False,
+    n_features: int = 60,
+    n_classes: int = 10,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-client ``(x, y)``: x float32 ``[n_k, n_features]``, y int64 ``[n_k]``.
+
+    Raises:
+        ConfigError: a count is not a positive integer (``n_classes``: >= 2),
+            ``alpha`` or ``beta`` is not a number >= 0, or ``iid`` is not a bool.
+    """
+    _check_options(n_clients, alpha, beta, iid, n_features, n_classes)
     std_x = np.arange(1, n_features + 1, dtype=np.float64) ** -0.6  # sqrt(j^-1.2)
     if iid:
         shared = numpy_rng(seed, "synthetic")

@@ -253,22 +253,7 @@ def discover(
     total, shape = _refuse_dissenters(reports, refused, expected)
     for node, reason in refused.items():
         log.warning("%s: node %s is refused and left out: %s", what, node, reason)
-    held: dict[int, tuple[int, dict]] = {}
-    unavailable: dict[int, str] = {}
-    for node, report in reports.items():
-        for c, one in report.clients:
-            held[c] = (node, one)
-            reason = refusal(c, node, one, expected)
-            if reason is not None:
-                unavailable[c] = reason
-                log.warning(
-                    "%s: client %s (node %s) cannot take part; it is left out and fails "
-                    "every request: %s",
-                    what,
-                    c,
-                    node,
-                    reason,
-                )
+    held, unavailable = _held_clients(reports, expected)
     n = len(held) if total is None else total
     missing = sorted(set(range(n)) - set(held))
     extra = sorted(set(held) - set(range(n)))
@@ -308,6 +293,30 @@ def discover(
         },
     )
     return federation, {c: held[c][0] for c in range(n) if c in held}
+
+
+def _held_clients(
+    reports: dict[int, SetupReport], expected: NodeManifest | None
+) -> tuple[dict[int, tuple[int, dict]], dict[int, str]]:
+    """Client -> (its node, what the node reports of it), and the clients that cannot
+    take part (logged with the reason: they fail every request)."""
+    held: dict[int, tuple[int, dict]] = {}
+    unavailable: dict[int, str] = {}
+    for node, report in reports.items():
+        for c, one in report.clients:
+            held[c] = (node, one)
+            reason = refusal(c, node, one, expected)
+            if reason is not None:
+                unavailable[c] = reason
+                log.warning(
+                    "%s: client %s (node %s) cannot take part; it is left out and fails "
+                    "every request: %s",
+                    protocol.SETUP,
+                    c,
+                    node,
+                    reason,
+                )
+    return held, unavailable
 
 
 @dataclass
@@ -584,14 +593,44 @@ class FlowerBackend(ClientClock):
         that answered replied.
         """
         clients = np.asarray(clients, dtype=np.int64)
-        fleet = self.fleet
         self.rediscover()
-        base = {
-            "experiment": self._experiment,
-            "seed": self.seed,
-            "computation": computation.name,
-            "computation_module": computation.module,
-        }
+        replies, by_node = self._route(clients)
+        messages = self._messages(computation, request, clients, by_node)
+        what = f"{computation.name} (clients {', '.join(map(str, clients))})"
+        with self.timed():
+            got = collect(
+                self.grid,
+                messages,
+                list(by_node),
+                self.timeout,
+                None,
+                what=what,
+                name=lambda n: f"node {n} (clients {', '.join(map(str, clients[by_node[n]]))})",
+            )
+        self._measured(got)
+        self._mark_lost(got, what)
+        refused = self._read_replies(computation, request, clients, by_node, got, replies, what)
+        self.asked.update(int(c) for c in clients)
+        self.replied.update(
+            int(clients[i])
+            for i, r in enumerate(replies)
+            if not isinstance(r, str) and i not in refused
+        )
+        self._check_reach(what, clients, by_node, replies, refused)
+        for i in refused:
+            replies[i] = None
+        returned = assemble(computation, request, replies)
+        for i, reason in refused.items():
+            returned.failed.pop(i, None)
+            returned.malformed[i] = reason
+        return returned
+
+    def _route(
+        self, clients: np.ndarray
+    ) -> tuple[list[Payload | str | None], dict[int, list[int]]]:
+        """Each position's reply so far (a reason for the clients out of reach, None for
+        the others) and the positions to ask, by node."""
+        fleet = self.fleet
         replies: list[Payload | str | None] = [None] * len(clients)
         by_node: dict[int, list[int]] = {}
         for i, c in enumerate(clients):
@@ -602,6 +641,22 @@ class FlowerBackend(ClientClock):
                 replies[i] = f"unavailable: its node {node} is lost ({fleet.lost[node]})"
             else:
                 by_node.setdefault(node, []).append(i)
+        return replies, by_node
+
+    def _messages(
+        self,
+        computation: ClientComputation,
+        request: Request,
+        clients: np.ndarray,
+        by_node: dict[int, list[int]],
+    ) -> list[Message]:
+        """One message per node: the request for its clients, and their drifts."""
+        base = {
+            "experiment": self._experiment,
+            "seed": self.seed,
+            "computation": computation.name,
+            "computation_module": computation.module,
+        }
         messages = []
         for node, positions in by_node.items():
             arrays, config = protocol.encode_clients(request, positions, clients[positions])
@@ -615,18 +670,11 @@ class FlowerBackend(ClientClock):
                     message_type=protocol.message_type(computation.name),
                 )
             )
-        what = f"{computation.name} (clients {', '.join(map(str, clients))})"
-        with self.timed():
-            got = collect(
-                self.grid,
-                messages,
-                list(by_node),
-                self.timeout,
-                None,
-                what=what,
-                name=lambda n: f"node {n} (clients {', '.join(map(str, clients[by_node[n]]))})",
-            )
-        self._measured(got)
+        return messages
+
+    def _mark_lost(self, got: Collected, what: str) -> None:
+        """The nodes offline or timed out are lost until a rediscovery finds them."""
+        fleet = self.fleet
         for node in got.offline | got.timed_out:
             reason = "offline" if node in got.offline else got.failures[node]
             fleet.lost[node] = reason
@@ -638,6 +686,19 @@ class FlowerBackend(ClientClock):
                 ", ".join(str(c) for c, n in fleet.nodes.items() if n == node),
                 got.failures[node],
             )
+
+    def _read_replies(
+        self,
+        computation: ClientComputation,
+        request: Request,
+        clients: np.ndarray,
+        by_node: dict[int, list[int]],
+        got: Collected,
+        replies: list[Payload | str | None],
+        what: str,
+    ) -> dict[int, str]:
+        """Fill ``replies`` with each node's answers; the positions refused, with why (a
+        malformed message, or a sample count other than the one agreed at setup)."""
         refused: dict[int, str] = {}
         for node, positions in by_node.items():
             answers: list[Payload | str] = [got.failures.get(node, "")] * len(positions)
@@ -656,12 +717,19 @@ class FlowerBackend(ClientClock):
                     wrong = wrong_count(computation, request, i, answer, self._sizes(clients[i]))
                     if wrong:
                         refused[i] = f"node {node}: {wrong}"
-        self.asked.update(int(c) for c in clients)
-        self.replied.update(
-            int(clients[i])
-            for i, r in enumerate(replies)
-            if not isinstance(r, str) and i not in refused
-        )
+        return refused
+
+    def _check_reach(
+        self,
+        what: str,
+        clients: np.ndarray,
+        by_node: dict[int, list[int]],
+        replies: list[Payload | str | None],
+        refused: dict[int, str],
+    ) -> None:
+        """TooFewReplies when too few of the clients asked on live nodes replied, or too
+        few of the federation's clients are within reach."""
+        fleet = self.fleet
         live = [
             i for node, positions in by_node.items() if node not in fleet.lost for i in positions
         ]
@@ -686,13 +754,6 @@ class FlowerBackend(ClientClock):
                 f"(deployment.min_replies={self.deployment.min_replies:g}); missing: "
                 + describe_missing(missing)
             )
-        for i in refused:
-            replies[i] = None
-        returned = assemble(computation, request, replies)
-        for i, reason in refused.items():
-            returned.failed.pop(i, None)
-            returned.malformed[i] = reason
-        return returned
 
     def _sizes(self, client: int) -> dict[str, int]:
         """The client's sample counts agreed at setup, by split."""

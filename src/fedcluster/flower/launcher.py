@@ -541,6 +541,20 @@ class _Progress(threading.Thread):
         self.seen = max(self.seen, len(rows))
 
 
+def _export_blocks(
+    config: ExperimentConfig, folder: Path, n_nodes: int
+) -> tuple[list[list[int]], list[Path]]:
+    """Export the federation under ``folder``: each node's block of clients and the data
+    folder holding only its files (the manifest beside them, for the server)."""
+    export = folder / "export"
+    manifest = export_federation(config, export)
+    blocks = spread_clients(len(manifest.clients), n_nodes)
+    data = place_node_data(export, blocks, folder / "data")
+    shutil.move(str(export / "manifest.json"), folder / "manifest.json")
+    export.rmdir()
+    return blocks, data
+
+
 def run_local(
     config: ExperimentConfig,
     out: str | Path,
@@ -568,12 +582,7 @@ def run_local(
         )
     folder = out / "deployment"
     emit(f"fedcluster: exporting {config.name}'s data for {n_nodes} nodes -> {folder}")
-    export = folder / "export"
-    manifest = export_federation(config, export)
-    blocks = spread_clients(len(manifest.clients), n_nodes)
-    data = place_node_data(export, blocks, folder / "data")
-    shutil.move(str(export / "manifest.json"), folder / "manifest.json")
-    export.rmdir()
+    blocks, data = _export_blocks(config, folder, n_nodes)
     app = write_app(folder / "app", config, out=str(out), manifest=folder / "manifest.json")
 
     dep = LocalDeployment(
