@@ -157,8 +157,7 @@ def axes_of(space: Mapping[str, Any] | Sequence[str]) -> list[Axis]:
 
 
 MAX_SETTINGS = 10_000
-"""The most settings of one sweep (grid points or trials), and the most labelled
-entries the algorithm-parameter axes may add to one run."""
+"""The most settings (runs) of one sweep: grid points or trials."""
 
 
 def needs_runs(axes: Sequence[Axis], trials: int | None) -> bool:
@@ -194,14 +193,13 @@ def settings_of(
         raise ConfigError(f"--sweep {ranges[0]}: a range needs --trials N (a random search)")
     within = [a for a in axes if a.is_algorithm_param]
     across = [a for a in axes if not a.is_algorithm_param]
-    for kind, group in (("settings (runs)", across), ("entries of one run", within)):
-        count = math.prod(len(a.values) for a in group if not isinstance(a.values, Range))
-        if count > MAX_SETTINGS:
-            raise ConfigError(
-                f"--sweep: {count:,} {kind} in the grid of "
-                f"{' × '.join(a.field for a in group)}; at most {MAX_SETTINGS:,} "
-                "(a random search, --trials N, draws a sample of a large space)"
-            )
+    count = math.prod(len(a.values) for a in across if not isinstance(a.values, Range))
+    if count > MAX_SETTINGS:  # the entries of one run: fedcluster.config.overrides
+        raise ConfigError(
+            f"--sweep: {count:,} settings (runs) in the grid of "
+            f"{' × '.join(a.field for a in across)}; at most {MAX_SETTINGS:,} "
+            "(a random search, --trials N, draws a sample of a large space)"
+        )
     combos = itertools.product(*(a.values for a in across if not isinstance(a.values, Range)))
     return [dict(zip([a.field for a in across], c, strict=True)) for c in combos], within
 

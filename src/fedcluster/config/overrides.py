@@ -148,13 +148,13 @@ def apply_sweeps(raw: dict[str, Any], sweeps: list[str]) -> dict[str, Any]:
         params = [p for p, _ in per_entry[i]]
         base = entry.get("label") or entry["name"]
         for combo in itertools.product(*(v for _, v in per_entry[i])):
-            values = dict(zip(params, combo, strict=True))
-            inner = ",".join(f"{p}={value_text(v)}" for p, v in values.items())
+            chosen = dict(zip(params, combo, strict=True))
+            inner = ",".join(f"{p}={value_text(v)}" for p, v in chosen.items())
             expanded.append(
                 {
                     **entry,
                     "label": f"{base}({inner})",
-                    "params": {**(entry.get("params") or {}), **values},
+                    "params": {**(entry.get("params") or {}), **chosen},
                 }
             )
     out["algorithms"] = expanded

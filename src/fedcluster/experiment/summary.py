@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 
-def _mean_std(values: list[float | None], scale: float = 1.0, digits: int = 1) -> str:
+def _mean_std(values: Sequence[float | None], scale: float = 1.0, digits: int = 1) -> str:
     vals = [v * scale for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return "-"

@@ -128,7 +128,7 @@ def collect(
             if key is None:
                 continue
             if reply.has_error():
-                out.failures[key] = f"node error: {_one_line(reply.error.reason)}"
+                out.failures[key] = f"node error: {_one_line(reply.error.reason or '')}"
                 if getattr(reply.error, "code", None) == NODE_UNAVAILABLE:
                     out.offline.add(key)
             else:
