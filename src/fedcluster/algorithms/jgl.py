@@ -227,12 +227,12 @@ def _choose_and_train(batch: ClientBatch, request: Request) -> Payload:
     s = request.settings
     models = request.shared["models"]
     if s["rule"] == "jgl":
-        products = GRADIENT_PRODUCTS.batched_run(batch, request)
+        products = GRADIENT_PRODUCTS.compute(batch, request)
         loss, scores = eq4_scores(
             products, request.shared["directions"], batch.train_sizes, s["train"].batch_size, s
         )
     else:
-        loss = LOSSES.batched_run(batch, request)["losses"]
+        loss = LOSSES.compute(batch, request)["losses"]
         scores = -loss
     ids = batch.ids
     choice = np.array(
@@ -248,7 +248,7 @@ def _choose_and_train(batch: ClientBatch, request: Request) -> Payload:
     start = models[torch.as_tensor(choice)]
     training = Request(own={"start": start}, settings={"train": s["train"], "round": s["round"]})
     assert TRAIN.batched_run is not None
-    trained = TRAIN.batched_run(batch, training)
+    trained = TRAIN.compute(batch, training)
     return {
         **trained,
         "cluster": torch.as_tensor(choice, dtype=torch.int32),

@@ -52,6 +52,7 @@ so a run and its resumed continuation see the same scenario.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from statistics import NormalDist
 from typing import get_args
@@ -233,7 +234,7 @@ def alie_z(n: int, attackers: int) -> float:
     return NormalDist().inv_cdf((n - s) / n)
 
 
-def faulty_clients(share: float, kinds: list[str], n_clients: int, seed: int) -> np.ndarray:
+def faulty_clients(share: float, kinds: Sequence[str], n_clients: int, seed: int) -> np.ndarray:
     """Per client, the index in :data:`FAULTS` of its fault, or −1 for a sound client."""
     fault = np.full(n_clients, -1, dtype=np.int64)
     chosen = numpy_rng(seed, "scenario/faulty").permutation(n_clients)[: round(share * n_clients)]

@@ -220,18 +220,23 @@ class ClientComputation:
         the upload is privatised (or withheld) here, before it leaves the client.
         """
         batch = ClientBatch(runner, clients)
-        if self.batched_run is not None:
-            reply = self.batched_run(batch, request)
-        else:
-            assert self.run_one_client is not None
-            replies = [
-                self.run_one_client(batch.client(j), request.client(j)) for j in range(len(batch))
-            ]
-            reply = {k: torch.stack([torch.as_tensor(r[k]) for r in replies]) for k in self.reply}
+        reply = self.compute(batch, request)
         own = request.own_settings
         if self.release is not None and own and "ticket" in own[0]:
             reply = self.release(request, reply, batch.ids, batch.seed)
         return reply
+
+    def compute(self, batch: ClientBatch, request: Request) -> Payload:
+        """What the clients of ``batch`` compute, stacked [n, ...]: the batched form, or
+        the per-client one client by client (no release: another computation's client
+        side may call it as a step of its own)."""
+        if self.batched_run is not None:
+            return self.batched_run(batch, request)
+        assert self.run_one_client is not None
+        replies = [
+            self.run_one_client(batch.client(j), request.client(j)) for j in range(len(batch))
+        ]
+        return {k: torch.stack([torch.as_tensor(r[k]) for r in replies]) for k in self.reply}
 
     def start_rows(self, request: Request, fields: Payload, positions: np.ndarray) -> torch.Tensor:
         """The start rows [m, d] of the model uploads ``fields`` of the clients at
