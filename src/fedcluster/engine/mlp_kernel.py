@@ -46,6 +46,21 @@ class _Layer:
     shape: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class _ChunkSteps:
+    """One chunk of :meth:`MLPKernel.sgd_deferred`: its steps, each step's width (rows of
+    its largest batch), the chunk's inputs [G, R, f] and Gram matrix (or None), the
+    labels and row weights [G, S, B] of every step, the learning rate."""
+
+    steps: range
+    widths: list[int]
+    x: torch.Tensor
+    gram: torch.Tensor | None
+    y: torch.Tensor
+    weight: torch.Tensor
+    lr: float
+
+
 class MLPKernel:
     """Batched cross-entropy SGD for a Linear/ReLU stack.
 
@@ -465,41 +480,58 @@ class MLPKernel:
             else:
                 pre = self._bmm(x, source.transpose(1, 2))
             deltas = torch.empty_like(pre)
-            lo = 0
-            for s in steps:
-                hi = lo + widths[s]
-                z = pre[:, lo:hi].add_(b1.unsqueeze(1))
-                if lo:
-                    block = (
-                        gram[:, lo:hi, :lo]
-                        if gram is not None
-                        else self._bmm(x[:, lo:hi], x[:, :lo].transpose(1, 2))
-                    )
-                    self._baddbmm_(z, block, deltas[:, :lo], -lr)
-                ys, ws = y[:, s, : widths[s]], weight[:, s, : widths[s]]
-                if upper:
-                    loss, d = self.sgd_step(
-                        upper,
-                        torch.relu(z),
-                        ys,
-                        ws,
-                        lr,
-                        input_gradient=True,
-                        gradient_out=deltas[:, lo:hi],
-                    )
-                    assert d is not None
-                else:
-                    loss, d = self.loss_and_dlogits(z, ys, ws)
-                    deltas[:, lo:hi] = d
-                b1.sub_(d.sum(dim=1), alpha=lr)
-                total += loss
-                lo = hi
+            chunk_steps = _ChunkSteps(steps, widths, x, gram, y, weight, lr)
+            self._chunk_steps(chunk_steps, pre, deltas, b1, upper, total)
             self._update_first_layer(w1, source, deltas, x, lr)
             source = w1
         if source is not w1:  # no step at all: the first layer's weights as they started
             w1.copy_(source)
         self.pack(upper, rows, from_layer=1)
         return total
+
+    def _chunk_steps(
+        self,
+        chunk: _ChunkSteps,
+        pre: torch.Tensor,
+        deltas: torch.Tensor,
+        b1: torch.Tensor,
+        upper: LayerParams,
+        total: torch.Tensor,
+    ) -> None:
+        """The steps of one chunk of :meth:`sgd_deferred`: each step's pre-activations
+        ``pre`` corrected by the chunk's earlier steps through the Gram matrix, the upper
+        layers' steps, the first layer's bias; its pre-activation gradients into
+        ``deltas`` and its losses added to ``total``."""
+        x, gram, lr = chunk.x, chunk.gram, chunk.lr
+        lo = 0
+        for s in chunk.steps:
+            hi = lo + chunk.widths[s]
+            z = pre[:, lo:hi].add_(b1.unsqueeze(1))
+            if lo:
+                block = (
+                    gram[:, lo:hi, :lo]
+                    if gram is not None
+                    else self._bmm(x[:, lo:hi], x[:, :lo].transpose(1, 2))
+                )
+                self._baddbmm_(z, block, deltas[:, :lo], -lr)
+            ys, ws = chunk.y[:, s, : chunk.widths[s]], chunk.weight[:, s, : chunk.widths[s]]
+            if upper:
+                loss, d = self.sgd_step(
+                    upper,
+                    torch.relu(z),
+                    ys,
+                    ws,
+                    lr,
+                    input_gradient=True,
+                    gradient_out=deltas[:, lo:hi],
+                )
+                assert d is not None
+            else:
+                loss, d = self.loss_and_dlogits(z, ys, ws)
+                deltas[:, lo:hi] = d
+            b1.sub_(d.sum(dim=1), alpha=lr)
+            total += loss
+            lo = hi
 
     def sgd_full_batch(
         self,

@@ -72,6 +72,30 @@ GroupStep = Callable[
 row weights [G, B], FedProx anchors) -> batch losses [G]`` (updates ``params`` in place)."""
 
 
+def _local_sgd(
+    w: torch.Tensor,
+    anchor: torch.Tensor,
+    plan: list[torch.Tensor],
+    step_gradient: StepGradient,
+    head: slice,
+    cfg: LocalTraining,
+) -> float:
+    """One client's SGD steps on ``w[head]`` in place, one per mini-batch of ``plan``
+    (FedProx's term towards ``anchor``, heavy-ball momentum); the summed loss."""
+    buf: torch.Tensor | None = None
+    total = 0.0
+    for idx in plan:
+        g, loss = step_gradient(w, idx, head)
+        if cfg.mu > 0.0:
+            g = g + cfg.mu * (w[head] - anchor[head])
+        if cfg.momentum > 0.0:
+            buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
+            g = buf
+        w[head] -= cfg.lr * g
+        total += loss
+    return total
+
+
 class Simulator(ClientClock):
     """Batched client computations over a packed federation.
 
@@ -360,19 +384,8 @@ class Simulator(ClientClock):
             else:
                 step_gradient = gradients(i)
             w = start[i].clone()
-            anchor = start[i]
-            buf: torch.Tensor | None = None
-            total = 0.0
             with training(layout.module, generators(i)):
-                for idx in plan:
-                    g, loss = step_gradient(w, idx, head)
-                    if cfg.mu > 0.0:
-                        g = g + cfg.mu * (w[head] - anchor[head])
-                    if cfg.momentum > 0.0:
-                        buf = g.clone() if buf is None else buf.mul_(cfg.momentum).add_(g)
-                        g = buf
-                    w[head] -= cfg.lr * g
-                    total += loss
+                total = _local_sgd(w, start[i], plan, step_gradient, head, cfg)
             out[i] = w
             steps[i] = len(plan)
             if plan:
