@@ -34,6 +34,7 @@ import copy
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -70,6 +71,30 @@ GroupStep = Callable[
 ]
 """One step of a client group on the MLP kernel: ``(params, step, batch indices [G, B],
 row weights [G, B], FedProx anchors) -> batch losses [G]`` (updates ``params`` in place)."""
+
+
+@dataclass
+class _KernelRound:
+    """What every group of one MLP-kernel training call shares
+    (:meth:`Simulator._train_kernel`): the clients' plans (or, on the full-batch route,
+    their step counts) and start rows, the output rows and losses the groups fill,
+    and the route."""
+
+    kernel: MLPKernel
+    plans: list[list[torch.Tensor]]
+    clients: np.ndarray
+    start: torch.Tensor
+    cfg: LocalTraining
+    steps: torch.Tensor
+    losses: torch.Tensor
+    out: torch.Tensor
+    sizes: np.ndarray
+    full_batch: bool
+    deferred: bool
+    """Plain SGD with the first layer's updates deferred over chunks of steps."""
+    deferral: int
+    grams: GramCache | None
+    group_steps: Callable[[np.ndarray], GroupStep]
 
 
 def _local_sgd(
@@ -586,111 +611,36 @@ class Simulator(ClientClock):
         kernel = self.kernel
         assert kernel is not None
         n = len(clients)
-        losses = torch.full((n,), float("nan"))
         if full_steps is not None:
             steps = torch.as_tensor(full_steps, dtype=torch.int64)
         else:
             steps = torch.tensor([len(p) for p in plans], dtype=torch.int64)
         first = len(kernel.layers) - 1 if classifier_only else 0
-
-        def plain_steps(members: np.ndarray) -> GroupStep:
-            buffers: LayerParams | None = None
-
-            def step(
-                params: LayerParams,
-                s: int,
-                idx: torch.Tensor,
-                weight: torch.Tensor,
-                anchors: LayerParams | None,
-            ) -> torch.Tensor:
-                nonlocal buffers
-                if cfg.momentum > 0.0 and buffers is None:
-                    buffers = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
-                return kernel.sgd_step(
-                    params,
-                    self._x_flat[idx],
-                    self.federation.y_train[idx],
-                    weight,
-                    cfg.lr,
-                    first_trainable=first,
-                    mu=cfg.mu,
-                    anchors=anchors,
-                    active=weight[:, 0] > 0,
-                    momentum=cfg.momentum,
-                    buffers=buffers,
-                )[0]
-
-            return step
-
-        plain_sgd = group_steps is None and cfg.plain_step and first == 0
         deferral = kernel.deferral(cfg.batch_size)
-        grams = self._grams if self._grams.suits(deferral * cfg.batch_size) else None
-
-        sizes = self.federation.train_sizes[clients]
         full_batch = full_steps is not None
-        # every row is written by its group; huge pages pay on the mini-batch routes (fewer
-        # page faults), not on the full-batch route (measured 1.3 s slower on IFCA's 1.5 GB
-        # block, docs/benchmarks.md "Roofline on AVX-512")
-        out = torch.empty_like(start) if full_batch else self._row_blocks.empty_like(start)
-
-        def run_group(members: np.ndarray) -> None:
-            if full_batch:
-                idx, weight = None, _full_batch_weights(sizes[members], steps[members].numpy())
-            else:
-                idx, weight = _stack_plans([plans[m] for m in members])
-                idx = idx.to(self.device)
-            weight = weight.to(self.device)
-            rows = torch.as_tensor(members, device=self.device)
-            span = _as_range(members)
-            deferred = not full_batch and plain_sgd and deferral > 1
-            if span is None:  # train a copy of the rows, then write it back
-                block = source = start.index_select(0, rows)
-            else:  # train in place in the output
-                block, source = out[span], start[span]
-                if not deferred and not full_batch:  # those routes write their rows
-                    block.copy_(source)
-            if full_batch:  # every step on all samples: IFCA's full-batch steps
-                x, y, gram = self._full_batches(clients[members], weight.shape[2])
-                total = kernel.sgd_full_batch(
-                    block,
-                    x,
-                    y,
-                    weight,
-                    cfg.lr,
-                    gram,
-                    self._features,
-                    same_start=start.stride(0) == 0,
-                    start=source,
-                )
-            elif deferred:
-                total = kernel.sgd_deferred(
-                    block,
-                    self._grams.samples,
-                    idx,
-                    self.federation.y_train[idx],
-                    weight,
-                    cfg.lr,
-                    deferral,
-                    self._features,
-                    None if grams is None else partial(grams.gather, clients[members]),
-                    same_start=start.stride(0) == 0,
-                    start=source,
-                )
-            else:
-                step = (group_steps or plain_steps)(members)
-                params = kernel.unpack(block)
-                anchors = kernel.unpack(block) if cfg.mu > 0.0 else None
-                total = torch.zeros(len(members), device=self.device)
-                for s in range(idx.shape[1]):
-                    total += step(params, s, idx[:, s], weight[:, s], anchors)
-                kernel.pack(params, block)
-            if span is None:
-                out.index_copy_(0, rows, block)
-            m_steps = steps[members]
-            losses[members] = torch.where(
-                m_steps > 0, total.cpu() / m_steps.clamp(min=1), losses[members]
-            )
-
+        shared = _KernelRound(
+            kernel=kernel,
+            plans=plans,
+            clients=clients,
+            start=start,
+            cfg=cfg,
+            steps=steps,
+            losses=torch.full((n,), float("nan")),
+            # every row is written by its group; huge pages pay on the mini-batch routes
+            # (fewer page faults), not on the full-batch route (measured 1.3 s slower on
+            # IFCA's 1.5 GB block, docs/benchmarks.md "Roofline on AVX-512")
+            out=torch.empty_like(start) if full_batch else self._row_blocks.empty_like(start),
+            sizes=self.federation.train_sizes[clients],
+            full_batch=full_batch,
+            deferred=not full_batch
+            and group_steps is None
+            and cfg.plain_step
+            and first == 0
+            and deferral > 1,
+            deferral=deferral,
+            grams=self._grams if self._grams.suits(deferral * cfg.batch_size) else None,
+            group_steps=group_steps or partial(self._plain_group_step, kernel, cfg, first),
+        )
         # Clients with similar step counts share a group, so little work is padding.
         order = np.argsort(-steps.numpy(), kind="stable")
         workers = self.threads or torch.get_num_threads()
@@ -699,8 +649,117 @@ class Simulator(ClientClock):
         groups = [order[g0 : g0 + size] for g0 in range(0, n, size)]
         # the full-batch route's per-step products take bfloat16 operands inside oneDNN
         with float32_products_in(self.low if full_batch else None):
-            run_on_threads(run_group, groups, workers, adaptive=self.threads is None)
-        return TrainResult(out, losses, steps)
+            run_on_threads(
+                partial(self._train_group, shared), groups, workers, adaptive=self.threads is None
+            )
+        return TrainResult(shared.out, shared.losses, steps)
+
+    def _plain_group_step(
+        self, kernel: MLPKernel, cfg: LocalTraining, first: int, members: np.ndarray
+    ) -> GroupStep:
+        """The plain SGD step of one group (:meth:`MLPKernel.sgd_step`), with the
+        group's own momentum buffers."""
+        buffers: LayerParams | None = None
+
+        def step(
+            params: LayerParams,
+            s: int,
+            idx: torch.Tensor,
+            weight: torch.Tensor,
+            anchors: LayerParams | None,
+        ) -> torch.Tensor:
+            nonlocal buffers
+            if cfg.momentum > 0.0 and buffers is None:
+                buffers = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
+            return kernel.sgd_step(
+                params,
+                self._x_flat[idx],
+                self.federation.y_train[idx],
+                weight,
+                cfg.lr,
+                first_trainable=first,
+                mu=cfg.mu,
+                anchors=anchors,
+                active=weight[:, 0] > 0,
+                momentum=cfg.momentum,
+                buffers=buffers,
+            )[0]
+
+        return step
+
+    def _train_group(self, r: _KernelRound, members: np.ndarray) -> None:
+        """Train one group's rows of ``r.out`` (in place where the members are one range
+        of rows, else on a copy written back) and record their mean losses."""
+        start, out = r.start, r.out
+        if r.full_batch:
+            idx, weight = None, _full_batch_weights(r.sizes[members], r.steps[members].numpy())
+        else:
+            idx, weight = _stack_plans([r.plans[m] for m in members])
+            idx = idx.to(self.device)
+        weight = weight.to(self.device)
+        rows = torch.as_tensor(members, device=self.device)
+        span = _as_range(members)
+        if span is None:  # train a copy of the rows, then write it back
+            block = source = start.index_select(0, rows)
+        else:  # train in place in the output
+            block, source = out[span], start[span]
+            if not r.deferred and not r.full_batch:  # those routes write their rows
+                block.copy_(source)
+        if r.full_batch:  # every step on all samples: IFCA's full-batch steps
+            x, y, gram = self._full_batches(r.clients[members], weight.shape[2])
+            total = r.kernel.sgd_full_batch(
+                block,
+                x,
+                y,
+                weight,
+                r.cfg.lr,
+                gram,
+                self._features,
+                same_start=start.stride(0) == 0,
+                start=source,
+            )
+        elif r.deferred:
+            assert idx is not None
+            total = r.kernel.sgd_deferred(
+                block,
+                self._grams.samples,
+                idx,
+                self.federation.y_train[idx],
+                weight,
+                r.cfg.lr,
+                r.deferral,
+                self._features,
+                None if r.grams is None else partial(r.grams.gather, r.clients[members]),
+                same_start=start.stride(0) == 0,
+                start=source,
+            )
+        else:
+            assert idx is not None
+            total = self._group_steps(r, members, block, idx, weight)
+        if span is None:
+            out.index_copy_(0, rows, block)
+        m_steps = r.steps[members]
+        r.losses[members] = torch.where(
+            m_steps > 0, total.cpu() / m_steps.clamp(min=1), r.losses[members]
+        )
+
+    def _group_steps(
+        self,
+        r: _KernelRound,
+        members: np.ndarray,
+        block: torch.Tensor,
+        idx: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """The group's steps one at a time on ``block`` (its rows); the summed losses."""
+        step = r.group_steps(members)
+        params = r.kernel.unpack(block)
+        anchors = r.kernel.unpack(block) if r.cfg.mu > 0.0 else None
+        total = torch.zeros(len(members), device=self.device)
+        for s in range(idx.shape[1]):
+            total += step(params, s, idx[:, s], weight[:, s], anchors)
+        r.kernel.pack(params, block)
+        return total
 
     def _full_batches(
         self, clients: np.ndarray, width: int
