@@ -141,7 +141,7 @@ def hierarchical(
         raise ConfigError("linkage: 'ward' needs features (raw vectors), not a distance matrix")
     if distance is not None:
         data, metric = as_square(distance, "distance"), "precomputed"
-    else:
+    elif features is not None:
         data, metric = as_array(features, "features", 2), "euclidean"
     if data.shape[0] == 1:
         return np.zeros(1, dtype=np.int64)

@@ -245,6 +245,14 @@ class DriftConfig(_Strict):
             raise ValueError("labels: two distinct labels >= 0")
         return self
 
+    def schedule(self, last: int) -> list[int]:
+        """The rounds of the events up to round ``last``: ``rounds``, or every ``every``
+        rounds from ``first`` (default: ``every``)."""
+        if self.every is None:
+            return sorted(self.rounds)
+        first = self.first if self.first is not None else self.every
+        return list(range(first, last + 1, self.every))
+
 
 FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip", "label_flip", "alie"]
 

@@ -148,13 +148,8 @@ class Scenario:
         )
 
     def _drift_events(self, index: int, entry: DriftConfig, rounds: int) -> list[DriftEvent]:
-        if entry.rounds:
-            when = sorted(entry.rounds)
-        else:
-            first = entry.first if entry.first is not None else entry.every
-            when = list(range(first, rounds + 1, entry.every))
         events = []
-        for rnd in when:
+        for rnd in entry.schedule(rounds):
             if entry.clients == "random":
                 present = np.flatnonzero(self.present(rnd))
                 if not len(present):

@@ -94,7 +94,8 @@ class LocalDP:
     ) -> LocalDP | None:
         """The job's privacy from the config's ``privacy`` section (None when off)."""
         p = config.privacy
-        if p.mode in ("none", "central"):  # central: fedcluster.privacy.central
+        mode = p.mode
+        if mode == "none" or mode == "central":  # central: fedcluster.privacy.central
             return None
         sizes = np.asarray(train_sizes, dtype=np.int64)
         n = len(sizes)
@@ -119,7 +120,7 @@ class LocalDP:
             ]
         )
         return cls(
-            p.mode,
+            mode,
             seed=seed,
             clip=p.clip,
             delta=p.delta,
