@@ -301,5 +301,5 @@ def trajectory_distance_to(a: ArrayLike, b: ArrayLike) -> torch.Tensor:
         per_class.append(t.to(torch.float64).transpose(0, 1))  # [C, n, 2]
     if per_class[0].shape[0] != per_class[1].shape[0]:
         raise ConfigError("trajectories: a and b have different numbers of classes")
-    dist = torch.cdist(*per_class, compute_mode="donot_use_mm_for_euclid_dist")
+    dist = torch.cdist(per_class[0], per_class[1], compute_mode="donot_use_mm_for_euclid_dist")
     return dist.mean(dim=0)

@@ -200,8 +200,9 @@ def download_dataset(
             return targets
     tried = []
     for files in SOURCES[name]:
-        urls = [f.url if base is None else f"{base}/{f.path}" for f in files]
-        if None in urls:
+        given = [f.url if base is None else f"{base}/{f.path}" for f in files]
+        urls = [url for url in given if url is not None]
+        if len(urls) < len(given):
             tried.append(f"{files[0].path} (only available from a mirror)")
             continue
         try:

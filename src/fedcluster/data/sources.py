@@ -198,7 +198,7 @@ def _cifar10(name: str, root: Path, seed: int, options: dict[str, Any]) -> Datas
         return Split(normalise_images(pool.x, normalize, cifar.MEAN, cifar.STD), pool.y)
 
     test = None
-    if arrays.test_x is not None:
+    if arrays.test_x is not None and arrays.test_y is not None:
         test = split(arrays.test_x, arrays.test_y)
     return Dataset(name, split(arrays.train_x, arrays.train_y), test, arrays.classes)
 

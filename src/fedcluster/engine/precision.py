@@ -86,7 +86,7 @@ def float32_products_in(low: torch.dtype | None) -> Iterator[None]:
     if low is None:
         yield
         return
-    matmul = torch.backends.mkldnn.matmul
+    matmul = getattr(torch.backends.mkldnn, "matmul")  # noqa: B009 -- not in torch's stubs
     before = matmul.fp32_precision
     matmul.fp32_precision = "bf16"
     try:

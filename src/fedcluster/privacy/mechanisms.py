@@ -297,7 +297,7 @@ class UploadTicket:
 
 def release_uploads(
     tickets: Sequence[UploadTicket],
-    clients: Sequence[int],
+    clients: Sequence[int] | np.ndarray,
     start: torch.Tensor,
     trained: torch.Tensor,
     steps: torch.Tensor,
@@ -332,7 +332,7 @@ def release_uploads(
 
 def release_vectors(
     tickets: Sequence[UploadTicket],
-    clients: Sequence[int],
+    clients: Sequence[int] | np.ndarray,
     values: torch.Tensor,
     seed: int,
     rnd: int,
