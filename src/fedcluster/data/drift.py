@@ -188,6 +188,8 @@ def redraw_client(
     n_train = int(federation.train_sizes[client])
     n_test = int(federation.test_sizes[client])
     test_split = data.train if part.test_pool == "train" else data.test
+    if test_split is None:
+        raise ConfigError(f"scenario.drift: dataset {data.name!r} has no test split to redraw from")
     y_pool = data.train.y.numpy()
     n_classes = int(y_pool.max()) + 1
     available = np.bincount(y_pool, minlength=n_classes)

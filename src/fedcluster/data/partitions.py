@@ -227,9 +227,9 @@ def _draw_by_counts(
             f"but the pool holds {int(available[c])}"
         )
     parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
-    for c in np.flatnonzero(needed):
-        chosen = rng.permutation(np.flatnonzero(y == c))[: needed[c]]
-        for i, chunk in enumerate(np.split(chosen, np.cumsum(counts[:, c])[:-1])):
+    for label in np.flatnonzero(needed):
+        chosen = rng.permutation(np.flatnonzero(y == label))[: needed[label]]
+        for i, chunk in enumerate(np.split(chosen, np.cumsum(counts[:, label])[:-1])):
             if chunk.size:
                 parts[i].append(chunk)
     return [np.sort(np.concatenate(p)) if p else np.empty(0, np.int64) for p in parts]
@@ -1121,7 +1121,7 @@ def _rotation_per_group(
     if parts[0].groups is not None:
         base_groups = np.concatenate([p.groups for p in parts])
         groups = np.unique(base_groups * len(angles) + rot_group, return_inverse=True)[1]
-    if test_clients is not None:
+    if test_clients is not None and y_test is not None:  # checked above: a test split
         chunks = np.array_split(np.arange(len(y_test)), int(test_clients))
         test = [chunks[j % len(chunks)] for _ in angles for j in range(per_group)]
         pool = "test"

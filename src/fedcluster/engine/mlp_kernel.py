@@ -155,7 +155,7 @@ class MLPKernel:
             if isinstance(child, nn.Linear):
                 w, b = slots[f"{name}.weight"], slots[f"{name}.bias"]
                 layers.append(
-                    _Layer(slice(w.start, w.stop), slice(b.start, b.stop), tuple(w.shape))
+                    _Layer(slice(w.start, w.stop), slice(b.start, b.stop), (w.shape[0], w.shape[1]))
                 )
         return cls(layers, layout.dim)
 
@@ -336,6 +336,7 @@ class MLPKernel:
                     aw, ab = anchors[i]
                     gw += (w - aw).mul_(mu * moving.view(-1, 1, 1))
                     gb += (b - ab).mul_(mu * moving.view(-1, 1))
+                assert active is not None
                 keep = torch.where(active, momentum, 1.0)
                 bw, bb = buffers[i]
                 bw.mul_(keep.view(-1, 1, 1)).add_(gw)
