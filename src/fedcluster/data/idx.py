@@ -14,7 +14,7 @@ import os
 import stat
 import zlib
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 import numpy as np
 
@@ -77,7 +77,7 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read the file ({exc.strerror or exc})") from exc
 
 
-def _read_capped(stream: BinaryIO, path: Path) -> bytes:
+def _read_capped(stream: IO[bytes] | gzip.GzipFile, path: Path) -> bytes:
     """Header and payload of an IDX stream, read up to the size its header declares."""
     head = stream.read(4)
     if len(head) < 4:

@@ -56,10 +56,17 @@ def _subplots(*args: Any, figsize: tuple[float, float], **kwargs: Any) -> tuple[
     return fig, fig.subplots(*args, **kwargs)
 
 
+def _palette(name: str) -> list[Any]:
+    """The colours of matplotlib's qualitative colormap ``name``, in order."""
+    cmap = matplotlib.colormaps[name]
+    assert isinstance(cmap, ListedColormap), f"{name} is not a list of colours"
+    return [cmap(i) for i in range(cmap.N)]
+
+
 def entries(runs: list[RunData]) -> list[Entry]:
     """All algorithms of all runs; names carry the run's name when there are several runs."""
-    colors = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["Dark2"].colors
-    out = []
+    colors = _palette("tab10") + _palette("Dark2")
+    out: list[Entry] = []
     for run in runs:
         for label in run.labels:
             name = label if len(runs) == 1 else f"{run.name}: {label}"
@@ -162,7 +169,7 @@ def clustering(items: list[Entry]) -> Figure | None:
 
 
 def _cluster_colors(n: int) -> ListedColormap:
-    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20b"].colors)
+    base = _palette("tab10") + _palette("tab20b")
     return ListedColormap(["#ffffff"] + [base[i % len(base)] for i in range(max(n, 1))])
 
 
