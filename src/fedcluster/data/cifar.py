@@ -102,14 +102,11 @@ def tree_order(n: int) -> np.ndarray:
 def _mixed(arrays: CifarArrays) -> CifarArrays:
     """``arrays`` (each split sorted by class) with each split in :func:`tree_order`."""
     train = tree_order(len(arrays.train_y))
-    test = None if arrays.test_y is None else tree_order(len(arrays.test_y))
-    return CifarArrays(
-        arrays.train_x[train],
-        arrays.train_y[train],
-        None if test is None else arrays.test_x[test],
-        None if test is None else arrays.test_y[test],
-        arrays.classes,
-    )
+    test_x = test_y = None
+    if arrays.test_x is not None and arrays.test_y is not None:
+        test = tree_order(len(arrays.test_y))
+        test_x, test_y = arrays.test_x[test], arrays.test_y[test]
+    return CifarArrays(arrays.train_x[train], arrays.train_y[train], test_x, test_y, arrays.classes)
 
 
 def load_cifar10(folder: Path, cache_dir: Path | None) -> CifarArrays:
@@ -223,11 +220,19 @@ def _from_batches(read: Callable[[str], bytes], where: str) -> CifarArrays:
     return CifarArrays(train_x, train_y, test_x, test_y, classes)
 
 
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    """The content of a regular file of the archive."""
+    data = tar.extractfile(member)
+    if data is None:  # isfile() was checked: tarfile gives None only for other members
+        raise tarfile.TarError(f"{member.name} is not a regular file")
+    return data.read()
+
+
 def _from_tarball(path: Path) -> CifarArrays:
     try:
         with tarfile.open(path, "r|gz") as tar:  # one sequential pass
             members = {
-                Path(m.name).name: tar.extractfile(m).read()
+                Path(m.name).name: _member_bytes(tar, m)
                 for m in tar
                 if m.isfile() and Path(m.name).parent.name == BATCHES_DIR
             }

@@ -163,9 +163,11 @@ def femnist_arrays(
         xs.append(np.zeros((0, 784), np.float32) if xa is None else xa)
         ys.append(ya)
     sizes = np.array([len(y) for y in ys], dtype=np.int64)
-    x = np.concatenate(xs).reshape(-1, 1, 28, 28) if xs else np.zeros((0, 1, 28, 28), np.float32)
-    y = np.concatenate(ys) if ys else np.zeros(0, np.int64)
-    return x, y, sizes
+    images = (
+        np.concatenate(xs).reshape(-1, 1, 28, 28) if xs else np.zeros((0, 1, 28, 28), np.float32)
+    )
+    labels = np.concatenate(ys) if ys else np.zeros(0, np.int64)
+    return images, labels, sizes
 
 
 def _int_labels(y: list[Any], n_classes: int, path: Path, user: str) -> np.ndarray:
