@@ -93,7 +93,8 @@ def chunk_stats(
     chunks = np.asarray(chunks, dtype=np.int64)
     lo, hi = offsets[chunks], offsets[chunks + 1]
     sizes = (hi - lo).astype(np.int64)
-    rows = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)] or [[]])
+    spans = [np.arange(a, b) for a, b in zip(lo, hi, strict=True)]
+    rows = np.concatenate(spans) if spans else np.zeros(0, np.int64)
     owner = np.repeat(np.arange(len(chunks)), sizes)
     idx = torch.as_tensor(rows.astype(np.int64), device=x.device)
     correct = np.zeros((len(chunks), n_models), dtype=np.int64)
@@ -118,9 +119,9 @@ def chunk_stats(
                 nll = -fast_log_softmax(flat).gather(1, targets.unsqueeze(1)).squeeze(1)
             else:
                 nll = F.cross_entropy(flat, targets, reduction="none")
-            nll = nll.view(n_models, -1).double().cpu().numpy()
+            per_sample = nll.view(n_models, -1).double().cpu().numpy()
             for j in range(n_models):
-                np.add.at(loss_sum[:, j], own, nll[j])
+                np.add.at(loss_sum[:, j], own, per_sample[j])
         else:
             for o in np.unique(own):
                 sel = torch.as_tensor(np.flatnonzero(own == o), device=out.device)

@@ -96,13 +96,13 @@ def record_given(
         )
     changes = {}
     keep = config.model.init == "keep"
-    for section, obj, digest in (
-        ("model", model, lambda m: model_sha256(m, keep)),
-        ("data", federation, federation_sha256),
-    ):
-        if obj is None:
+    given = {
+        "model": None if model is None else model_sha256(model, keep),
+        "data": None if federation is None else federation_sha256(federation),
+    }
+    for section, value in given.items():
+        if value is None:
             continue
-        value = digest(obj)
         recorded = getattr(config, section).given
         if recorded is not None and recorded != value:
             what = "model" if section == "model" else "federation"
