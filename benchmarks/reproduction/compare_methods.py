@@ -30,8 +30,7 @@ import json
 from pathlib import Path
 
 from benchmarks.common import parser
-from fedcluster.experiment.summary import format_table
-from fedcluster.reproduce import mean_std, run_setting, save_json
+from fedcluster.reproduce import chosen_settings, mean_std, run_setting, write_results
 
 PRESET = "compare-cfl"
 FEDEM_LR_FACTOR = 4  # M components (module docstring)
@@ -128,17 +127,10 @@ def main() -> None:
         ]
         tag = "all"
     else:
-        chosen = args.settings.split(",")
-        unknown = sorted(set(chosen) - set(SETTINGS))
-        if unknown:
-            p.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+        chosen = chosen_settings(p, args.settings, list(SETTINGS))
         jobs = run(chosen, args.seeds, out, args.data_dir, args.rounds)
         tag = "+".join(chosen)
-    rows = table(jobs)
-    save_json(out / f"compare_methods-{tag}.json", {"jobs": jobs, "table": rows})
-    text = format_table(rows)
-    (out / f"compare_methods-{tag}.md").write_text(text + "\n")
-    print(text)
+    print(write_results(out, f"compare_methods-{tag}", jobs, table(jobs)))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.common import parser
 from fedcluster.experiment.summary import format_table
-from fedcluster.reproduce import mean_std, run_setting, save_json
+from fedcluster.reproduce import chosen_settings, mean_std, run_setting, save_json
 
 ALGORITHMS = (
     "[{name: jgl, label: jgl-0.1, params: {n_clusters: 4, lam: 0.1, INIT}},"
@@ -37,10 +37,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=0.27)
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated tags")
     args = p.parse_args()
-    chosen = args.settings.split(",")
-    unknown = sorted(set(chosen) - set(SETTINGS))
-    if unknown:
-        p.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+    chosen = chosen_settings(p, args.settings, list(SETTINGS))
     out = Path(args.out)
     table = []
     for relabel in (False, True):

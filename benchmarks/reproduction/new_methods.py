@@ -41,8 +41,7 @@ import pandas as pd
 
 from benchmarks.common import parser
 from fedcluster.clustering.validity import ari
-from fedcluster.experiment.summary import format_table
-from fedcluster.reproduce import mean_std, run_setting, save_json
+from fedcluster.reproduce import chosen_settings, mean_std, run_setting, write_results
 
 _ANGLES = [0, 15, 90, 105, 180, 195, 270, 285]
 
@@ -203,18 +202,10 @@ def main() -> None:
     p.set_defaults(seeds=3, out="runs/new-methods")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names")
     args = p.parse_args()
-    chosen = args.settings.split(",")
-    unknown = sorted(set(chosen) - set(SETTINGS))
-    if unknown:
-        p.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+    chosen = chosen_settings(p, args.settings, list(SETTINGS))
     out = Path(args.out)
     jobs = run(chosen, args.seeds, out, args.data_dir, args.rounds)
-    rows = table(jobs)
-    tag = "+".join(chosen)
-    save_json(out / f"new_methods-{tag}.json", {"jobs": jobs, "table": rows})
-    text = format_table(rows)
-    (out / f"new_methods-{tag}.md").write_text(text + "\n")
-    print(text)
+    print(write_results(out, f"new_methods-{'+'.join(chosen)}", jobs, table(jobs)))
 
 
 if __name__ == "__main__":

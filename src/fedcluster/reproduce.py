@@ -40,7 +40,7 @@ import argparse
 import csv
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,25 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="dataset root (default $FEDCLUSTER_DATA)")
     p.add_argument("--out", default="runs/benchmarks")
     return p
+
+
+def chosen_settings(p: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated setting names of ``text``; the parser's error (exit 2) naming
+    any that ``known`` lacks."""
+    chosen = text.split(",")
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        p.error(f"unknown settings {unknown}; choose from {list(known)}")
+    return chosen
+
+
+def write_results(out: Path, stem: str, jobs: list[Row], rows: list[Row]) -> str:
+    """``out/STEM.json`` (the jobs and the table rows) and ``out/STEM.md`` (the table);
+    the table's text."""
+    save_json(out / f"{stem}.json", {"jobs": jobs, "table": rows})
+    text = format_table(rows)
+    (out / f"{stem}.md").write_text(text + "\n")
+    return text
 
 
 def run_setting(
