@@ -31,7 +31,8 @@ Python, pass the module itself to :class:`fedcluster.experiment.runner.Experimen
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -359,6 +360,18 @@ def check_trainable(model: nn.Module, what: str) -> None:
         )
 
 
+@contextmanager
+def module_mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """Run with every submodule in training (or evaluation) mode; restore each one's mode."""
+    before = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield module
+    finally:
+        for m, mode in before:
+            m.training = mode
+
+
 class ModelContractError(ConfigError):
     """A model that does not map a batch to logits of one row per sample and class."""
 
@@ -375,18 +388,14 @@ def check_model_contract(model: nn.Module, x: torch.Tensor, n_classes: int, what
     if len(x) == 0:
         return
     x = x.to(next(model.parameters()).device)
-    modes = [(m, m.training) for m in model.modules()]
     try:
-        with torch.no_grad():
-            out = model.eval()(x)
+        with torch.no_grad(), module_mode(model, False):
+            out = model(x)
     except Exception as exc:  # noqa: BLE001 -- user code: any failure is named, not raised
         raise ModelContractError(
             f"{what}: the model's forward pass on a batch of shape {tuple(x.shape)} raised "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    finally:
-        for m, mode in modes:
-            m.training = mode
     expected = (len(x), n_classes)
     if not isinstance(out, torch.Tensor) or not out.is_floating_point():
         got = f"{out.dtype} tensor" if isinstance(out, torch.Tensor) else type(out).__name__

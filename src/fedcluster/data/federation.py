@@ -149,14 +149,18 @@ class Federation:
         return cls(x_tr, y_tr, off_tr, x_te, y_te, off_te, n_classes, truth)
 
 
+def require_integer_labels(y: torch.Tensor, what: str) -> None:
+    """DataError naming ``what`` when the labels ``y`` are not integers (float labels
+    would be truncated to class indices without a word)."""
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise DataError(f"{what} are {y.dtype}, not integers (class indices)")
+
+
 def _pack(
     parts: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     for client, (_, y) in enumerate(parts):
-        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-            raise DataError(
-                f"client {client}'s labels are {y.dtype}, not integers (class indices)"
-            )
+        require_integer_labels(y, f"client {client}'s labels")
     sizes = [len(y) for _, y in parts]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     # Token ids (int32/int64, e.g. Sent140's) stay int64; everything else (uint8 images too)

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedcluster.data.federation import Federation
+from fedcluster.data.federation import Federation, require_integer_labels
 from fedcluster.errors import DataError
 
 log = logging.getLogger("fedcluster")
@@ -92,10 +92,7 @@ def check_given(federation: Federation) -> Federation:
     if not 1 <= int(federation.n_classes) <= MAX_CLASSES:
         raise DataError(f"federation: n_classes is {federation.n_classes}, not in 1..{MAX_CLASSES}")
     for split, y in (("train", federation.y_train), ("test", federation.y_test)):
-        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-            raise DataError(
-                f"federation: its {split} labels are {y.dtype}, not integers (class indices)"
-            )
+        require_integer_labels(y, f"federation: its {split} labels")
     return federation
 
 

@@ -361,9 +361,7 @@ def _fetch_missing(name: str, root: Path, missing: list[str], download: bool) ->
             f"; EMNIST downloads only from a mirror ({ENV_MIRROR}), the official "
             f"release is {EMNIST_OFFICIAL_URL}"
         )
-    raise DataError(
-        f"{name}: not found in data root {root}: missing {', '.join(missing)}; {how}"
-    )
+    raise DataError(f"{name}: not found in data root {root}: missing {', '.join(missing)}; {how}")
 
 
 def load_dataset(

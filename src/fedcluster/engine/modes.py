@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from fedcluster.config.plugins import import_object
 from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.models import module_mode
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(logits [B, C], targets [B]) -> mean loss`` (a scalar), like ``F.cross_entropy``."""
@@ -101,18 +102,6 @@ class CheckedLoss:
                 "value (the mean loss)"
             )
         return out
-
-
-@contextmanager
-def module_mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
-    """Run with every submodule in training (or evaluation) mode; restore each one's mode."""
-    before = [(m, m.training) for m in module.modules()]
-    module.train(training)
-    try:
-        yield module
-    finally:
-        for m, mode in before:
-            m.training = mode
 
 
 _FEATURE_DIMS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
