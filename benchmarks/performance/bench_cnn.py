@@ -16,7 +16,7 @@ local epoch, plain SGD, then the sample-weighted average -- for
 timed interleaved round by round in one process:
 
 (a) ``Simulator.train`` as configured by default (clients on worker threads,
-    one intra-op thread each, :meth:`Simulator._train_autograd`);
+    one intra-op thread each, :meth:`AutogradTraining.train`);
 (a') ``Simulator(threads=--threads)``: the same with a fixed worker count
     (the default steps down to fewer workers while other processes keep CPUs
     busy, :mod:`fedcluster.engine.threads`);

@@ -11,14 +11,14 @@ import torch
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.engine.flat import ParamLayout, weighted_average
-from fedcluster.engine.reference import reference_train
-from fedcluster.engine.simulator import (
+from fedcluster.engine.kernel_training import (
     MAX_GROUP,
-    Simulator,
-    _nonzero_span,
-    _stack_plans,
     balanced_group_size,
+    nonzero_span,
+    stack_plans,
 )
+from fedcluster.engine.reference import reference_train
+from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 from fedcluster.protocol.batches import LocalTraining, batch_plan
 from tests.helpers import assert_same_training, evaluation_bounds, unequal_clients
@@ -72,7 +72,7 @@ def test_full_batch_training_without_drawn_plans_equals_plain_loop(mnist_federat
     clients = np.arange(mnist_federation.n_clients)
     start = torch.stack([init_row(model, 0, "test", i) for i in range(len(clients))])
     sim = Simulator(model, mnist_federation, seed=7, group_size=5)
-    assert sim._full_batch_steps(clients, cfg, False) is not None
+    assert sim.kernel_training.full_batch_steps(clients, cfg, False) is not None
     result = sim.train(clients, start, cfg, rnd=2)
     plain = reference_train(model, mnist_federation, clients, start, cfg, seed=7, rnd=2)
     assert_same_training(model, (1, 28, 28), cfg, result.steps, result.rows, plain)
@@ -98,9 +98,9 @@ def test_nonzero_span_is_the_smallest_range_of_used_features():
     x = torch.zeros(4, 10)
     x[0, 3] = 1.0
     x[2, 7] = -2.0
-    assert _nonzero_span(x) == slice(3, 8)
-    assert _nonzero_span(torch.zeros(2, 5)) == slice(0, 0)
-    assert _nonzero_span(torch.ones(2, 5)) == slice(0, 5)
+    assert nonzero_span(x) == slice(3, 8)
+    assert nonzero_span(torch.zeros(2, 5)) == slice(0, 0)
+    assert nonzero_span(torch.ones(2, 5)) == slice(0, 5)
 
 
 def test_kernel_and_autograd_paths_agree(mnist_federation):
@@ -245,7 +245,7 @@ def test_equal_clients_train_in_place_with_cached_gram_matrices(shared_dataset):
     cfg = LocalTraining(lr=0.1, batch_size=24, epochs=2)
     sim = Simulator(model, fed, seed=4, group_size=3)
     deferral = sim.kernel.deferral(cfg.batch_size)
-    assert deferral > 1 and sim._grams.suits(deferral * cfg.batch_size)
+    assert deferral > 1 and sim.kernel_training.grams.suits(deferral * cfg.batch_size)
     start = torch.stack([init_row(model, 0, "test", i) for i in range(6)])
     result = sim.train(np.arange(6), start, cfg, rnd=1)
     fast = result.rows
@@ -295,7 +295,7 @@ def test_stacked_plans_put_each_batch_in_its_slot_with_weight_one_over_its_size(
         [torch.randint(0, 99, (n,), generator=gen) for n in sizes]
         for sizes in ([5, 5, 2], [], [4], [5, 3, 1, 1])
     ]
-    idx, weight = _stack_plans(plans)
+    idx, weight = stack_plans(plans)
     assert idx.shape == (4, 4, 5) and weight.shape == (4, 4, 5)
     for g, plan in enumerate(plans):
         for s in range(4):
@@ -304,5 +304,5 @@ def test_stacked_plans_put_each_batch_in_its_slot_with_weight_one_over_its_size(
                 assert torch.equal(idx[g, s, :n], plan[s])
                 assert torch.equal(weight[g, s, :n], torch.full((n,), 1.0 / n))
             assert not idx[g, s, n:].any() and not weight[g, s, n:].any()  # padding
-    empty_idx, empty_weight = _stack_plans([[], []])
+    empty_idx, empty_weight = stack_plans([[], []])
     assert empty_idx.shape == (2, 0, 1) and not empty_weight.numel()

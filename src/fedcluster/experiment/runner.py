@@ -353,7 +353,7 @@ class SimulatorFactory:
 
     ``threads`` fixes the simulator's worker threads (default: torch's thread count); a
     job of a parallel run passes its driver's count, so that the MLP kernel forms the
-    same client groups as the sequential run (:func:`~fedcluster.engine.simulator.
+    same client groups as the sequential run (:func:`~fedcluster.engine.kernel_training.
     balanced_group_size`): a client's float rounding depends on its group's shapes.
     """
 
