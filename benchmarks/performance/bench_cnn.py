@@ -22,12 +22,14 @@ timed interleaved round by round in one process:
     busy, :mod:`fedcluster.engine.threads`);
 (b) ``Simulator(threads=1)``: the same per-client autograd loop in the calling
     thread with all intra-op threads (what the simulator did before);
+(v) ``Simulator(vmap="on")``: groups of ``--vmap-group`` clients at once through
+    ``torch.func`` (:class:`~fedcluster.engine.vmap_training.VmapTraining`);
 (c) ``engine.reference.reference_train``: one ``nn.Module``, ``torch.optim.SGD``.
 
 Flower is not run here (``bench_round.py``'s Flower workload is the MLP). The
 roofline counts the convolutions' and linear layers' multiply-adds (forward,
 weight gradient, input gradient except for the first layer) against the
-measured fp32 ``torch.mm`` peak; the script also checks that (a) and (b) equal
+measured fp32 ``torch.mm`` peak; the script also checks that (a), (b) and (v) equal
 (c) to float rounding and prints the load average.
 
 Run from the repository root::
@@ -70,6 +72,7 @@ from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import weighted_average
 from fedcluster.engine.reference import reference_train
 from fedcluster.engine.simulator import Simulator
+from fedcluster.engine.vmap_training import VMAP_GROUP
 from fedcluster.models import build_model
 from fedcluster.protocol.batches import LocalTraining
 
@@ -140,6 +143,7 @@ def run_workload(
         "simulator": Simulator(model, fed, seed=SEED),
         "simulator_fixed": Simulator(model, fed, seed=SEED, threads=args.threads),
         "simulator_serial": Simulator(model, fed, seed=SEED, threads=1),
+        "simulator_vmap": Simulator(model, fed, seed=SEED, vmap="on", group_size=args.vmap_group),
     }
     runs: dict[str, Callable[[int], torch.Tensor]] = {
         k: (lambda rnd, s=s: weighted_average(s.train(clients, row, cfg, rnd).rows, weights))
@@ -165,6 +169,7 @@ def run_workload(
     flops = layer_flops(model, fed.input_shape) * int(fed.train_sizes.sum())
     roof = flops / (peak * 1e9)
     sim_s, plain_s = local["simulator"]["median"], local["plain_loop"]["median"]
+    vmap_s = local["simulator_vmap"]["median"]
     return {
         "dataset": WORKLOADS[name][0],
         "model": WORKLOADS[name][1],
@@ -172,6 +177,7 @@ def run_workload(
         "clients": fed.n_clients,
         "seconds_per_round": local,
         "speedup_vs_plain": plain_s / sim_s,
+        "vmap_speedup_vs_plain": plain_s / vmap_s,
         "round_gflop": flops / 1e9,
         "roofline_seconds": roof,
         "roofline_fraction": roof / sim_s,
@@ -185,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--clients", type=int, default=N_CLIENTS)
     ap.add_argument("--threads", type=int, default=THREADS)
+    ap.add_argument("--vmap-group", type=int, default=VMAP_GROUP, help="clients per vmap")
     ap.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workloads")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=None)
@@ -198,16 +205,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name: run_workload(name, args, peak["gflops"], device) for name in args.models.split(",")
     }
     print(
-        f"\n{'workload':<14}{'simulator':>11}{'sim fixed':>11}{'sim 1 thr':>11}{'loop':>9}"
-        f"{'speedup':>9}{'roof':>7}"
+        f"\n{'workload':<14}{'simulator':>11}{'sim fixed':>11}{'sim 1 thr':>11}{'vmap':>9}"
+        f"{'loop':>9}{'speedup':>9}{'vmap x':>8}{'roof':>7}"
     )
     for name, r in results.items():
         s = r["seconds_per_round"]
         worst = max(r["max_abs_diff_vs_plain"].values())
         print(
             f"{name:<14}{s['simulator']['median']:11.3f}{s['simulator_fixed']['median']:11.3f}"
-            f"{s['simulator_serial']['median']:11.3f}"
+            f"{s['simulator_serial']['median']:11.3f}{s['simulator_vmap']['median']:9.3f}"
             f"{s['plain_loop']['median']:9.3f}{r['speedup_vs_plain']:8.2f}x"
+            f"{r['vmap_speedup_vs_plain']:7.2f}x"
             f"{r['roofline_fraction']:7.1%}   max|diff| vs loop {worst:.1e}"
         )
     load_after = os.getloadavg()

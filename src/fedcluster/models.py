@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Self
 
 import torch
 from torch import nn
@@ -129,7 +130,7 @@ class _TruncatedNormalInit:
     init_std: float
     init_bias: float
 
-    def configure(self, std: float, bias: float) -> _TruncatedNormalInit:
+    def configure(self, std: float, bias: float) -> Self:
         self.init_std, self.init_bias = std, bias
         self.reset_parameters()
         return self

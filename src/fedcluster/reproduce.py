@@ -43,6 +43,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,7 +98,7 @@ def run_setting(
 
     ``only`` keeps the algorithms of those labels or names, after ``sets`` (``--algorithms``).
     """
-    overrides = {
+    overrides: dict[str, Any] = {
         "seeds": list(range(first_seed, first_seed + seeds)),
         "data": {"data_dir": data_dir},
     }
@@ -131,7 +132,8 @@ def save_json(path: Path, payload: object) -> None:
     path.write_text(json.dumps(payload, indent=2, default=float))
 
 
-Row = dict[str, object]
+Row = dict[str, Any]
+"""A job summary or metrics row as JSON holds it (numbers, strings, nested rows)."""
 
 
 def _evaluated(rows: list[Row]) -> list[Row]:

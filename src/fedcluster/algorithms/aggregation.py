@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcluster.algorithms.robust import MEAN, Aggregator
+from fedcluster.algorithms.robust import MEAN, Aggregate, Aggregator
 from fedcluster.engine.flat import group_averages
 
 
@@ -24,7 +24,7 @@ def cluster_average(
     labels: np.ndarray,
     previous: torch.Tensor,
     weights: np.ndarray | None = None,
-    aggregate: Aggregator = MEAN,
+    aggregate: Aggregate = MEAN,
     start: torch.Tensor | None = None,
     shared: torch.Tensor | None = None,
 ) -> torch.Tensor:

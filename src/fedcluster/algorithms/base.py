@@ -32,7 +32,7 @@ from torch import nn
 
 from fedcluster.algorithms.cluster_count import AutoK, parse_auto
 from fedcluster.algorithms.evaluation import own_loss_evaluate
-from fedcluster.algorithms.robust import Aggregator
+from fedcluster.algorithms.robust import Aggregate, Aggregator
 from fedcluster.config.plugins import resolve
 from fedcluster.config.schema import AlgorithmSpec, ExperimentConfig, describe_error
 from fedcluster.engine.client_computations import EVALUATE, TRAIN
@@ -188,7 +188,7 @@ class Context:
     """The initial model as a flat row [d] (CPU float32), the same for every algorithm."""
     model_choice: str = "assigned"
     """Test protocol (:mod:`fedcluster.algorithms.evaluation`): ``assigned`` or ``own_loss``."""
-    aggregate: Aggregator = field(default_factory=Aggregator)
+    aggregate: Aggregate = field(default_factory=Aggregator)
     """The rule by which every algorithm averages client models (plain mean by default;
     :mod:`fedcluster.algorithms.robust`), per cluster where there are clusters."""
     compare: str = "parameters"
@@ -532,7 +532,7 @@ def algorithm_params(spec: AlgorithmSpec, index: int = 0, k: int | None = None) 
     try:
         validated: AlgorithmParams = cls.Params(**params)
     except ValidationError as exc:
-        fields = "; ".join(describe_error(dict(e), where) for e in exc.errors())
+        fields = "; ".join(describe_error(e, where) for e in exc.errors())
         raise ConfigError(f"invalid config: {spec.name} {fields}") from None
     return validated
 

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Protocol, get_args
 
 import torch
 
@@ -292,6 +292,15 @@ def guarded_mean(
     if budget > 0 and len(kept) >= 3:
         kept = kept[krum_selection(rows[kept] - base[kept], budget)]
     return weighted_average(base[kept] + clipped[kept], weights[kept])
+
+
+class Aggregate(Protocol):
+    """What averages a cluster's client rows: an :class:`Aggregator` rule or central
+    DP's noisy clipped mean (:class:`~fedcluster.privacy.central.CentralDP`)."""
+
+    def __call__(
+        self, start: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from pydantic import Field
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import register
 from fedcluster.algorithms.fesem import FeSEM, FeSEMParams
-from fedcluster.algorithms.robust import MEAN, Aggregator
+from fedcluster.algorithms.robust import MEAN, Aggregate
 
 
 class WeCFLParams(FeSEMParams):
@@ -52,7 +52,7 @@ def weighted_lloyd(
     centres: torch.Tensor,
     weights: np.ndarray,
     max_iterations: int,
-    aggregate: Aggregator = MEAN,
+    aggregate: Aggregate = MEAN,
 ) -> tuple[torch.Tensor, np.ndarray]:
     """Weighted k-means (Lloyd) from the assignment ``choice`` [n] of ``rows`` [n, d]:
     average each cluster's members (``weights`` [n]; empty clusters keep their row of

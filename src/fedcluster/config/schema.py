@@ -13,6 +13,7 @@ command-line flags (``--rounds``, ``--seed``, ...).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -257,10 +258,14 @@ class DriftConfig(_Strict):
 FaultKind = Literal["nan", "inf", "huge", "scaled", "sign_flip", "label_flip", "alie"]
 
 
+DEFAULT_FAULTS: tuple[FaultKind, ...] = ("nan", "inf", "huge")
+"""The faults dealt to faulty clients unless ``scenario.faulty.kinds`` names others."""
+
+
 class FaultyConfig(_Strict):
     share: float = Field(0.0, ge=0.0, le=1.0, description="share of clients whose uploads are bad")
     kinds: list[FaultKind] = Field(
-        default_factory=lambda: ["nan", "inf", "huge"],
+        default_factory=lambda: list(DEFAULT_FAULTS),
         min_length=1,
         description="faults, dealt to the faulty clients in turn",
     )
@@ -480,7 +485,13 @@ class ExperimentConfig(_Strict):
         ge=1,
         le=limits.MAX_COUNT,
         description="clients trained together by the MLP kernel (default: equal groups of at "
-        "most 8 that keep every worker thread busy)",
+        "most 8 that keep every worker thread busy) or by vmap (default 32)",
+    )
+    vmap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="train groups of group_size clients (default 32) at once with torch.func "
+        "for models the MLP kernel does not take: on, off, or auto (on a GPU only; on a CPU "
+        "client by client is faster)",
     )
     jobs: int = Field(
         1,
@@ -520,7 +531,7 @@ class ExperimentConfig(_Strict):
         return self
 
 
-def describe_error(err: dict, prefix: str = "") -> str:
+def describe_error(err: Mapping[str, Any], prefix: str = "") -> str:
     """One pydantic error as ``field 'a.b': message (got ...)``."""
     loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     if err["type"] == "extra_forbidden":
@@ -704,4 +715,6 @@ def with_execution(config: ExperimentConfig, **fields: Any) -> ExperimentConfig:
 def dump_config(config: ExperimentConfig) -> str:
     """The fully resolved config as YAML (what ``config.yaml`` of a run directory holds),
     without :data:`EXECUTION_FIELDS`."""
-    return yaml.safe_dump(config.model_dump(mode="json", exclude=EXECUTION_FIELDS), sort_keys=False)
+    return yaml.safe_dump(
+        config.model_dump(mode="json", exclude=set(EXECUTION_FIELDS)), sort_keys=False
+    )

@@ -96,7 +96,10 @@ class RowBlocks:
             and kept.nbytes() == like.numel() * like.element_size()
             and _storage_users(kept) == 1
         ):
-            return torch.empty(0, dtype=like.dtype, device=like.device).set_(kept, 0, shape)
+            stride = torch.empty(shape, device="meta").stride()  # contiguous, as set_'s default
+            return torch.empty(0, dtype=like.dtype, device=like.device).set_(
+                kept, 0, shape, stride
+            )
         self._kept = None  # the old block goes once its users drop it
         out = empty_rows_like(like)
         if out.is_contiguous() and _storage_users(out.untyped_storage()) is not None:

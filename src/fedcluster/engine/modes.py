@@ -146,7 +146,7 @@ class SeededRandomness(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.dropout or func in _FEATURE_DIMS:
+        if is_dropout(func):
             return self._dropout(func, args, kwargs)
         if func in (F.alpha_dropout, F.feature_alpha_dropout):
             raise FedclusterError(
@@ -161,17 +161,64 @@ class SeededRandomness(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _dropout(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+        call = DropoutCall.of(func, args, kwargs)
+        if call.shape is None:
+            return call.without_mask()
+        # drawn on the CPU (the derived generators are CPU generators), same masks on any device
+        return call.apply(call.draw(self.generator))
+
+
+def is_dropout(func: Callable) -> bool:
+    """Whether ``func`` is one of the dropouts :class:`SeededRandomness` seeds."""
+    return func is F.dropout or func in _FEATURE_DIMS
+
+
+def draws_randomness(func: Callable) -> bool:
+    """Whether ``func`` draws random numbers other than a dropout's mask."""
+    return (
+        func in _WITH_GENERATOR
+        or func in _LIKE
+        or func
+        in (
+            F.alpha_dropout,
+            F.feature_alpha_dropout,
+        )
+    )
+
+
+class DropoutCall:
+    """One call of a dropout: its input, rate and the shape of the mask it draws
+    (``None`` when it draws none: evaluation mode, ``p`` 0 or 1). A feature dropout
+    (``dropout1d/2d/3d``) draws one value per channel."""
+
+    def __init__(
+        self, x: torch.Tensor, p: float, training: bool, shape: tuple[int, ...] | None
+    ) -> None:
+        self.x, self.p, self.training, self.shape = x, p, training, shape
+
+    @classmethod
+    def of(cls, func: Callable, args: tuple, kwargs: dict) -> DropoutCall:
         x = args[0]
         p = float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _arg(args, kwargs, 2, "training", True) or p == 0.0:
-            return x
-        if p == 1.0:
-            return torch.zeros_like(x)
+        training = bool(_arg(args, kwargs, 2, "training", True))
+        if not training or p in (0.0, 1.0):
+            return cls(x, p, training, None)
         k = _FEATURE_DIMS.get(func, 0)
         shape = x.shape if k == 0 else x.shape[: x.dim() - k] + (1,) * k
-        # drawn on the CPU (the derived generators are CPU generators), same masks on any device
-        keep = torch.rand(shape, generator=self.generator) >= p
-        return x * keep.to(device=x.device, dtype=x.dtype) / (1.0 - p)
+        return cls(x, p, training, tuple(shape))
+
+    def without_mask(self) -> torch.Tensor:
+        """The output of a call that draws no mask."""
+        return torch.zeros_like(self.x) if self.training and self.p == 1.0 else self.x
+
+    def draw(self, generator: torch.Generator) -> torch.Tensor:
+        """The mask of kept values, drawn from ``generator``."""
+        assert self.shape is not None
+        return torch.rand(self.shape, generator=generator) >= self.p
+
+    def apply(self, keep: torch.Tensor) -> torch.Tensor:
+        """The call's output with the mask ``keep``."""
+        return self.x * keep.to(device=self.x.device, dtype=self.x.dtype) / (1.0 - self.p)
 
 
 @contextmanager

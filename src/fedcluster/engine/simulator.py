@@ -54,6 +54,7 @@ from fedcluster.engine.modes import LossFn, loss_or_default
 from fedcluster.engine.precision import resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.training_inputs import TrainingInputs
+from fedcluster.engine.vmap_training import VmapTraining, vmap_suits
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.protocol.batches import LocalTraining, augmenter, batch_plan
 from fedcluster.protocol.client_side import ClientData
@@ -90,6 +91,7 @@ class Simulator(ClientClock):
         loss: LossFn | None = None,
         local_buffers: bool = False,
         precision: str = "fp32",
+        vmap: str = "auto",
     ) -> None:
         self.device = federation.x_train.device  # set by Federation.to (engine.device)
         self.model = model.to(self.device).eval()  # train() only inside local training
@@ -111,11 +113,7 @@ class Simulator(ClientClock):
         # the kernel's gradients are softmax cross-entropy's: another loss runs on autograd
         use_kernel = use_kernel and loss is None and not self.layout.buffer_slots
         self.kernel = MLPKernel.detect(model, self.layout) if use_kernel else None
-        self._local = (
-            torch.cat([torch.arange(s.start, s.stop) for s in self.layout.local_slots()])
-            if local_buffers and self.layout.local_slots()
-            else None
-        )
+        self._local = _local_positions(self.layout) if local_buffers else None
         """FedBN: the row positions each client keeps (its BatchNorm layers), else ``None``."""
         self._own: dict[int, torch.Tensor] = {}
         """FedBN: client -> its own values at those positions, once it has trained."""
@@ -135,6 +133,28 @@ class Simulator(ClientClock):
             else KernelTraining(inputs, self.kernel, self.group_size, self.low)
         )
         """Group training of MLPs (:mod:`fedcluster.engine.kernel_training`), else ``None``."""
+        self.vmap_training = VmapTraining(inputs, self.group_size) if self._vmaps(vmap) else None
+        """Group training of other models (:mod:`fedcluster.engine.vmap_training`), else
+        ``None`` (client by client)."""
+
+    def _vmaps(self, vmap: str) -> bool:
+        """Whether models the kernel does not take train in groups with ``torch.func``:
+        ``vmap="on"``, or ``"auto"`` on a GPU (on a CPU, batching convolutions across
+        clients does not pay: docs/benchmarks.md, "Any model in groups")."""
+        if vmap not in ("auto", "on", "off"):
+            raise ConfigError(f"vmap: {vmap!r} is not one of auto, on, off")
+        if self.kernel is not None or vmap == "off":
+            return False
+        if vmap == "auto" and self.device.type == "cpu":
+            return False
+        if vmap_suits(self.model, self.federation.x_train[:2]):
+            return True
+        if vmap == "on":
+            raise ConfigError(
+                "vmap: on, but the model's forward draws random numbers other than dropout "
+                "masks, which only the client-by-client path seeds per client; set vmap: off"
+            )
+        return False
 
     def _follow_data_changes(self) -> None:
         """Bring what the simulator derives from the clients' data (which clients hold
@@ -281,6 +301,8 @@ class Simulator(ClientClock):
             return self.autograd_training.train(plans, start, cfg, head, gens, gradients)
         if kernel is not None and cfg.augment == "none":
             return kernel.train(plans, clients, start, cfg, classifier_only, full_steps=full_steps)
+        if self.vmap_training is not None and cfg.augment == "none":
+            return self.vmap_training.train(plans, start, cfg, head, gens)
 
         def transforms(i: int) -> Transform | None:
             client = int(self.client_ids[clients[i]])
@@ -515,6 +537,12 @@ class Simulator(ClientClock):
         loss = None if self.loss is F.cross_entropy else self.loss
         fast = self.low is not None
         return chunk_stats(logits, rows.shape[0], x, y, off, chunks, loss, fast_softmax=fast)
+
+
+def _local_positions(layout: ParamLayout) -> torch.Tensor | None:
+    """The row positions of the model's BatchNorm layers (FedBN's), ``None`` if it has none."""
+    slots = layout.local_slots()
+    return torch.cat([torch.arange(s.start, s.stop) for s in slots]) if slots else None
 
 
 def _check_norm_layers(model: nn.Module) -> None:

@@ -276,6 +276,7 @@ class FinishedRun:
         out = cls(path)
         for seed in chosen_seeds:
             fed = experiment.federation(seed)
+            assert isinstance(fed, Federation)  # rebuilt in this process from the config
             setting, scenario = experiment.setting(fed, seed)
             for spec in specs:
                 label = spec.display_name()

@@ -325,6 +325,7 @@ class DistributedFactory:
             "group_size": cfg.group_size,
             "local_buffers": cfg.model.buffers == "local",
             "precision": cfg.precision,
+            "vmap": cfg.vmap,
         }
         loss = resolve_loss(cfg.train.loss) if self.loss is None else self.loss
         return DistributedBackend(self.group, model, federation, seed, options, loss)

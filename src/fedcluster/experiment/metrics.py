@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import SupportsFloat, cast
 
 import numpy as np
 
@@ -141,15 +142,19 @@ def cluster_columns(assign: np.ndarray | None, groups: np.ndarray | None) -> dic
 def note_cluster_shortfall(label: str, seed: int, rows: list[dict[str, object]]) -> None:
     """Log once, at the end of a job, if its last clustering has fewer clusters than groups."""
     last = next((r for r in reversed(rows) if _finite(r.get("n_groups"))), None)
-    if last is None or not float(last["n_clusters"]) < float(last["n_groups"]):  # type: ignore[arg-type]
+    if last is None:
+        return
+    clusters = float(cast(SupportsFloat, last["n_clusters"]))
+    groups = float(cast(SupportsFloat, last["n_groups"]))
+    if not clusters < groups:
         return
     log.info(
         "%s seed %d: %d clusters for %d ground-truth groups at round %s, so purity can reach at "
         "most %.3f (purity_ceiling in summary.json); ARI/NMI are the fairer scores",
         label,
         seed,
-        int(last["n_clusters"]),  # type: ignore[arg-type]
-        int(last["n_groups"]),  # type: ignore[arg-type]
+        int(clusters),
+        int(groups),
         last["round"],
         last["purity_ceiling"],
     )

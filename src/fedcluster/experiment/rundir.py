@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -339,7 +339,7 @@ class RunDirectory:
         self.artifacts.mkdir(exist_ok=True)
         path = self.artifacts / self.checkpoint_path(label, seed).with_suffix(".npz").name
         buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
+        np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub: **kwds as allow_pickle
         safefiles.write_atomic(path, buffer.getvalue())
 
 
@@ -775,8 +775,17 @@ def run_directory_callbacks(
     return [*writers, ProgressBar(last)] if progress else writers
 
 
-def _finite(values: list[float]) -> list[float]:
+def _finite(values: list[object]) -> list[float]:
     return [v for v in values if isinstance(v, float) and not math.isnan(v)]
+
+
+def _reaches(value: object, level: float) -> bool:
+    return isinstance(value, float) and value >= level
+
+
+def _total(rows: list[dict[str, object]], column: str) -> int:
+    """The sum of a counter column over a job's rows."""
+    return int(sum(cast(float, r[column]) for r in rows))
 
 
 def job_summary(job: JobResult) -> dict[str, object]:
@@ -784,7 +793,7 @@ def job_summary(job: JobResult) -> dict[str, object]:
     accs = _finite([r["accuracy"] for r in job.rows])
     last = job.rows[-1] if job.rows else {}
     purity_round = next(
-        (r["round"] for r in job.rows if isinstance(r.get("purity"), float) and r["purity"] >= 0.9),
+        (r["round"] for r in job.rows if _reaches(r.get("purity"), 0.9)),
         None,
     )
     return {
@@ -804,8 +813,8 @@ def job_summary(job: JobResult) -> dict[str, object]:
             None if _nan(last.get("purity_ceiling")) else last.get("purity_ceiling")
         ),
         "rounds_to_purity_0.9": purity_round,
-        "bytes_up": int(sum(r["bytes_up"] for r in job.rows)),
-        "bytes_down": int(sum(r["bytes_down"] for r in job.rows)),
+        "bytes_up": _total(job.rows, "bytes_up"),
+        "bytes_down": _total(job.rows, "bytes_down"),
         "wall_seconds": job.wall_seconds,
     }
 

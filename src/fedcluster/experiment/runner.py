@@ -118,6 +118,7 @@ def simulator_for(
         loss=resolve_loss(config.train.loss) if loss is None else loss,
         local_buffers=config.model.buffers == "local",
         precision=config.precision,
+        vmap=config.vmap,
         **options,
     )
 
@@ -145,8 +146,11 @@ def select_clients(
             f"every available client takes part",
             stacklevel=2,
         )
-    k = p.count if p.count is not None else max(1, round(p.fraction * len(candidates)))
-    k = min(k, len(candidates))
+    if p.count is not None:
+        k = min(p.count, len(candidates))
+    else:
+        assert p.fraction is not None
+        k = min(max(1, round(p.fraction * len(candidates))), len(candidates))
     return np.sort(numpy_rng(seed, "participation", rnd).choice(candidates, k, replace=False))
 
 
@@ -632,7 +636,9 @@ class Job:
         drift = getattr(self.backend, "drift", None)
         if drift is not None:
             return drift(event)
-        return apply_drift(self.backend.federation, event, self.pool)
+        federation = self.backend.federation
+        assert isinstance(federation, Federation)  # a backend without drift holds the data
+        return apply_drift(federation, event, self.pool)
 
 
 def resume(

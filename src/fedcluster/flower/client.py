@@ -124,7 +124,7 @@ def setup(msg: Message, context: Context) -> Message:
 
 def _setup(msg: Message, context: Context) -> Message:
     config = messages.settings(msg.content)
-    experiment, seed = str(config["experiment"]), int(config["seed"])
+    experiment, seed = str(config["experiment"]), messages.integer(config, "seed")
     data = context.node_config.get("data")
     manifest = None
     if data:
@@ -186,7 +186,7 @@ def _compute(msg: Message, context: Context) -> Message:
     the message's other clients are unaffected.
     """
     config = messages.settings(msg.content)
-    experiment, seed = str(config["experiment"]), int(config["seed"])
+    experiment, seed = str(config["experiment"]), messages.integer(config, "seed")
     computation = lookup_computation(
         str(config["computation"]), str(config.get("computation_module", "")) or None
     )

@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from fedcluster.errors import FedclusterError
 
@@ -46,16 +46,20 @@ class TooFewReplies(FedclusterError):
     """Fewer clients replied than ``deployment.min_replies`` requires."""
 
 
+Key = TypeVar("Key", bound=Hashable)
+"""What names a message: a client id, or a node id when a message carries several clients."""
+
+
 @dataclass
-class Collected:
+class Collected(Generic[Key]):
     """The replies that arrived and, per client that did not answer, the reason."""
 
-    replies: dict[Hashable, Message] = field(default_factory=dict)
-    failures: dict[Hashable, str] = field(default_factory=dict)
-    offline: set[Hashable] = field(default_factory=set)
+    replies: dict[Key, Message] = field(default_factory=dict)
+    failures: dict[Key, str] = field(default_factory=dict)
+    offline: set[Key] = field(default_factory=set)
     """Keys whose node the SuperLink reported offline (Flower's ``NODE_UNAVAILABLE``
     error: no heartbeat within 2 × its interval)."""
-    timed_out: set[Hashable] = field(default_factory=set)
+    timed_out: set[Key] = field(default_factory=set)
     """Keys not answered within the timeout."""
     seconds: float = 0.0
     """From sending to the last reply that arrived (the slowest round trip measured)."""
@@ -90,14 +94,14 @@ def check_enough(
 def collect(
     grid: Grid,
     messages: Sequence[Message],
-    keys: Sequence[Hashable],
+    keys: Sequence[Key],
     round_timeout: float | None = None,
     min_replies: float | None = 1.0,
     what: str = "request",
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    name: Callable[[Hashable], str] = lambda key: f"client {key}",
-) -> Collected:
+    name: Callable[[Key], str] = lambda key: f"client {key}",
+) -> Collected[Key]:
     """Send ``messages`` (named by ``keys``: one per client, or per node carrying
     several clients) and gather the replies.
 
@@ -109,11 +113,11 @@ def collect(
     """
     if len(messages) != len(keys):
         raise ValueError("collect: one key per message")
-    out = Collected()
+    out: Collected[Key] = Collected()
     if not messages:
         return out
     ids = list(grid.push_messages(list(messages)))
-    pending: dict[str, Hashable] = {}
+    pending: dict[str, Key] = {}
     for key, mid in zip(keys, ids, strict=True):
         if mid:
             pending[str(mid)] = key
@@ -124,15 +128,15 @@ def collect(
     wait = 0.02
     while pending:
         for reply in grid.pull_messages(list(pending)):
-            key = pending.pop(str(reply.metadata.reply_to_message_id), None)
-            if key is None:
+            replied = pending.pop(str(reply.metadata.reply_to_message_id), None)
+            if replied is None:
                 continue
             if reply.has_error():
-                out.failures[key] = f"node error: {_one_line(reply.error.reason or '')}"
+                out.failures[replied] = f"node error: {_one_line(reply.error.reason or '')}"
                 if getattr(reply.error, "code", None) == NODE_UNAVAILABLE:
-                    out.offline.add(key)
+                    out.offline.add(replied)
             else:
-                out.replies[key] = reply
+                out.replies[replied] = reply
             out.seconds = clock() - start
         if not pending or (deadline is not None and clock() >= deadline):
             break

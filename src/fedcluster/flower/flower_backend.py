@@ -37,8 +37,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 from flwr.app import Message
@@ -119,7 +120,7 @@ def _setup_messages(nodes: list[int], experiment: str, seed: int) -> list[Messag
 
 def _ask_setup(
     grid: Grid, nodes: list[int], experiment: str, seed: int, timeout: float | None
-) -> tuple[Collected, dict[int, SetupReport], dict[int, str]]:
+) -> tuple[Collected[int], dict[int, SetupReport], dict[int, str]]:
     """``query.setup`` of ``nodes``: per node that answered, its checked report; per
     node whose reply is unusable, why (:func:`~fedcluster.flower.verify.setup_report`)."""
     messages = _setup_messages(nodes, experiment, seed)
@@ -155,7 +156,10 @@ def refusal(client: int, node: int, one: Mapping, expected: NodeManifest | None)
     return None
 
 
-def _majority(values: dict[int, object], what: str) -> object:
+Reported = TypeVar("Reported", bound=Hashable)
+
+
+def _majority(values: dict[int, Reported], what: str) -> Reported:
     """The value most nodes report (``values``: node -> value); one line when two
     values are reported by equally many nodes."""
     counts = Counter(values.values()).most_common()
@@ -176,6 +180,8 @@ def _refuse_dissenters(
     ``reports`` to ``refused`` (why)."""
     totals = {node: r.n_clients for node, r in reports.items() if r.n_clients != -1}
     shapes = {node: r.shape for node, r in reports.items() if r.shape is not None}
+    n: int | None
+    shape: tuple[int, tuple[int, ...]] | None
     if expected is not None:
         n = expected.n_clients or len(expected.clients)
         shape = (expected.n_classes, expected.input_shape)
@@ -424,7 +430,7 @@ class FlowerBackend(ClientClock):
         measured = max(d.timeout_floor, d.timeout_factor * self.fleet.round_trip)
         return min(d.timeout_ceiling, measured)
 
-    def _measured(self, got: Collected) -> None:
+    def _measured(self, got: Collected[int]) -> None:
         self.fleet.round_trip = max(self.fleet.round_trip, got.seconds)
 
     def drift(self, event: DriftEvent) -> str:
@@ -496,9 +502,10 @@ class FlowerBackend(ClientClock):
         if not fleet.probes:
             return
         for reply in self.grid.pull_messages(list(fleet.probes)):
-            node, _ = fleet.probes.pop(str(reply.metadata.reply_to_message_id), (None, 0.0))
-            if node is None:
+            probe = fleet.probes.pop(str(reply.metadata.reply_to_message_id), None)
+            if probe is None:
                 continue
+            node = probe[0]
             if reply.has_error():
                 fleet.retry[node] = now + self.deployment.timeout_floor
                 log.warning(
@@ -633,10 +640,12 @@ class FlowerBackend(ClientClock):
         fleet = self.fleet
         replies: list[Payload | str | None] = [None] * len(clients)
         by_node: dict[int, list[int]] = {}
-        for i, c in enumerate(clients):
-            node = fleet.nodes.get(int(c))
-            if int(c) in fleet.unavailable:  # not asked until its node is rediscovered
-                replies[i] = f"unavailable: {fleet.unavailable[int(c)]}"
+        for i, c in enumerate(clients.tolist()):
+            node = fleet.nodes.get(c)
+            if c in fleet.unavailable:  # not asked until its node is rediscovered
+                replies[i] = f"unavailable: {fleet.unavailable[c]}"
+            elif node is None:
+                replies[i] = "unavailable: no node serves it"
             elif node in fleet.lost:
                 replies[i] = f"unavailable: its node {node} is lost ({fleet.lost[node]})"
             else:
@@ -659,7 +668,9 @@ class FlowerBackend(ClientClock):
         }
         messages = []
         for node, positions in by_node.items():
-            arrays, config = protocol.encode_clients(request, positions, clients[positions])
+            arrays, config = protocol.encode_clients(
+                request, positions, clients[positions].tolist()
+            )
             drifted = {int(c): self.drifts[int(c)] for c in clients[positions] if c in self.drifts}
             if drifted:
                 config[protocol.DRIFT] = protocol.encode_drift(drifted)
@@ -672,7 +683,7 @@ class FlowerBackend(ClientClock):
             )
         return messages
 
-    def _mark_lost(self, got: Collected, what: str) -> None:
+    def _mark_lost(self, got: Collected[int], what: str) -> None:
         """The nodes offline or timed out are lost until a rediscovery finds them."""
         fleet = self.fleet
         for node in got.offline | got.timed_out:
@@ -693,7 +704,7 @@ class FlowerBackend(ClientClock):
         request: Request,
         clients: np.ndarray,
         by_node: dict[int, list[int]],
-        got: Collected,
+        got: Collected[int],
         replies: list[Payload | str | None],
         what: str,
     ) -> dict[int, str]:

@@ -256,6 +256,14 @@ def settings(content: RecordDict) -> ConfigRecord:
     return record
 
 
+def integer(config: ConfigRecord, key: str) -> int:
+    """The integer setting ``key`` of a request (one line naming it if it is not one)."""
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"message setting {key!r} must be an integer, not {value!r}")
+    return value
+
+
 DRIFT = "drift"
 """Settings key of a message's drift events: ``{client id: [event, ...]}`` as JSON."""
 

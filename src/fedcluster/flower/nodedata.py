@@ -136,7 +136,7 @@ def read_manifest(path: str | Path) -> NodeManifest:
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{file}: invalid manifest ({exc})") from None
     for c, entry in clients.items():
-        if Path(entry["file"]).name != entry["file"]:
+        if Path(str(entry["file"])).name != entry["file"]:
             raise DataError(f"{file}: client {c}'s file {entry['file']!r} must be a plain name")
     return manifest
 
@@ -147,13 +147,13 @@ def save_client(folder: Path, client: int, part: Federation) -> dict[str, Any]:
     name = client_file(client)
     path = Path(folder) / name
     tmp = path.with_name(name + ".tmp.npz")
-    arrays = {
-        "x_train": part.x_train.numpy().astype(np.float32, copy=False),
-        "y_train": part.y_train.numpy().astype(np.int64, copy=False),
-        "x_test": part.x_test.numpy().astype(np.float32, copy=False),
-        "y_test": part.y_test.numpy().astype(np.int64, copy=False),
-    }
-    np.savez(tmp, **arrays)
+    np.savez(
+        tmp,
+        x_train=part.x_train.numpy().astype(np.float32, copy=False),
+        y_train=part.y_train.numpy().astype(np.int64, copy=False),
+        x_test=part.x_test.numpy().astype(np.float32, copy=False),
+        y_test=part.y_test.numpy().astype(np.int64, copy=False),
+    )
     os.replace(tmp, path)
     return {
         "file": name,

@@ -321,7 +321,7 @@ def release_uploads(
     if noisy.any():
         mask = torch.as_tensor(noisy)
         updates = clip_rows(trained[mask] - start[mask], tickets[0].clip)
-        for j, i in enumerate(np.flatnonzero(noisy)):
+        for j, i in enumerate(np.flatnonzero(noisy).tolist()):
             t = tickets[i]
             gen = torch_rng(seed, "dp", rnd, int(clients[i]), t.release)
             updates[j] += gaussian_noise(updates.shape[1:], t.noise_multiplier * t.clip, gen)

@@ -50,10 +50,19 @@ class Backend(Protocol):
     node's clients among those asked. ``seconds`` is the time spent in client computations.
     """
 
-    federation: FederationView
-    layout: ParamLayout
-    model: nn.Module
-    seconds: float
+    @property
+    def federation(self) -> FederationView: ...
+
+    @property
+    def layout(self) -> ParamLayout: ...
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent in client computations so far."""
+        ...
 
     def run(
         self, computation: ClientComputation, clients: np.ndarray, request: Request

@@ -307,7 +307,7 @@ class Channel:
         A failing client received what the server sent (counted) but sends
         nothing back; it is recorded once per round however often it is asked.
         """
-        reply = ~self.failing[clients]
+        reply: np.ndarray = ~self.failing[clients]
         for c in clients[~reply]:
             self._fail(int(c), rnd, "no reply")
         return reply
