@@ -126,7 +126,31 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
     return kwargs[name] if name in kwargs else args[i] if len(args) > i else default
 
 
-class SeededRandomness(TorchFunctionMode):
+class DropoutMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that computes every dropout call itself
+    (:meth:`dropout`, given the call's :class:`DropoutCall`) and hands every other
+    call to :meth:`other` (by default: runs it)."""
+
+    def __torch_function__(
+        self,
+        func: Callable,
+        types: Sequence[type],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if is_dropout(func):
+            return self.dropout(DropoutCall.of(func, args, kwargs))
+        return self.other(func, args, kwargs)
+
+    def dropout(self, call: DropoutCall) -> torch.Tensor:
+        raise NotImplementedError
+
+    def other(self, func: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return func(*args, **kwargs)
+
+
+class SeededRandomness(DropoutMode):
     """Draw the random numbers of a module's ``forward`` from ``generator``.
 
     Dropout (``F.dropout`` and ``F.dropout1d/2d/3d``) is computed with a mask
@@ -138,16 +162,13 @@ class SeededRandomness(TorchFunctionMode):
         super().__init__()
         self.generator = generator
 
-    def __torch_function__(
-        self,
-        func: Callable,
-        types: Sequence[type],
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if is_dropout(func):
-            return self._dropout(func, args, kwargs)
+    def dropout(self, call: DropoutCall) -> torch.Tensor:
+        if call.shape is None:
+            return call.without_mask()
+        # drawn on the CPU (the derived generators are CPU generators), same masks on any device
+        return call.apply(call.draw(self.generator))
+
+    def other(self, func: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
         if func in (F.alpha_dropout, F.feature_alpha_dropout):
             raise FedclusterError(
                 f"model: {func.__name__} has no seeded form in fedcluster; use nn.Dropout"
@@ -159,13 +180,6 @@ class SeededRandomness(TorchFunctionMode):
             kwargs = {"dtype": x.dtype, "device": x.device, **kwargs}
             return _LIKE[func](x.shape, generator=self.generator, **kwargs)
         return func(*args, **kwargs)
-
-    def _dropout(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
-        call = DropoutCall.of(func, args, kwargs)
-        if call.shape is None:
-            return call.without_mask()
-        # drawn on the CPU (the derived generators are CPU generators), same masks on any device
-        return call.apply(call.draw(self.generator))
 
 
 def is_dropout(func: Callable) -> bool:

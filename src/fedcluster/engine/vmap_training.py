@@ -26,16 +26,15 @@ training-set augmentation, or record-level DP-SGD train client by client
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
-from torch.overrides import TorchFunctionMode
 
-from fedcluster.engine.modes import DropoutCall, draws_randomness, is_dropout
+from fedcluster.engine.modes import DropoutCall, DropoutMode, draws_randomness
 from fedcluster.engine.results import TrainResult
 from fedcluster.engine.training_inputs import TrainingInputs
 from fedcluster.models import module_mode
@@ -48,7 +47,7 @@ MaskCall = tuple[float, tuple[int, ...]]
 """A dropout call that draws a mask: its rate and the mask's shape."""
 
 
-class _RecordDropouts(TorchFunctionMode):
+class _RecordDropouts(DropoutMode):
     """Records the mask-drawing dropout calls of a forward pass (their outputs are
     the inputs, unchanged) and whether anything else draws random numbers."""
 
@@ -57,43 +56,25 @@ class _RecordDropouts(TorchFunctionMode):
         self.calls: list[MaskCall] = []
         self.other_randomness = False
 
-    def __torch_function__(
-        self,
-        func: Callable,
-        types: Sequence[type],
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if is_dropout(func):
-            call = DropoutCall.of(func, args, kwargs)
-            if call.shape is not None:
-                self.calls.append((call.p, call.shape))
-            return call.without_mask()
-        if draws_randomness(func):
-            self.other_randomness = True
+    def dropout(self, call: DropoutCall) -> torch.Tensor:
+        if call.shape is not None:
+            self.calls.append((call.p, call.shape))
+        return call.without_mask()
+
+    def other(self, func: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
+        self.other_randomness = self.other_randomness or draws_randomness(func)
         return func(*args, **kwargs)
 
 
-class _ReplayMasks(TorchFunctionMode):
+class _ReplayMasks(DropoutMode):
     """Applies the given masks, in order, to the forward pass's dropout calls."""
 
     def __init__(self, masks: list[torch.Tensor]) -> None:
         super().__init__()
         self.masks = iter(masks)
 
-    def __torch_function__(
-        self,
-        func: Callable,
-        types: Sequence[type],
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if is_dropout(func):
-            call = DropoutCall.of(func, args, kwargs)
-            return call.without_mask() if call.shape is None else call.apply(next(self.masks))
-        return func(*args, **kwargs)
+    def dropout(self, call: DropoutCall) -> torch.Tensor:
+        return call.without_mask() if call.shape is None else call.apply(next(self.masks))
 
 
 def _dropout_calls(
