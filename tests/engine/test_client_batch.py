@@ -54,6 +54,7 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
     jgl = {"lam": 0.2, "similarity": "cosine", "gradient_sign": "descent", "tie_seed": 5}
     jgl |= {"loss_reduction": "sum", "rule": "jgl"}
     weights = torch.full((N_CLIENTS, K), 1.0 / K, dtype=torch.float64)
+    shares = torch.softmax(torch.arange(K * fed.n_classes, dtype=torch.float64).view(K, -1), 1)
     features = int(np.prod(fed.input_shape))
     pacfl = {"n_basis": 2, "per_class": True, "n_classes": fed.n_classes, "n_features": features}
     return {
@@ -101,6 +102,13 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
             Request(shared={"components": rows}, own={"weights": weights}, settings=train)
         ],
         "fedem-evaluate": [Request(shared={"components": rows}, own={"weights": weights})],
+        "fedrc-train": [
+            Request(
+                shared={"components": rows, "shares": shares},
+                own={"weights": weights},
+                settings=train,
+            )
+        ],
         "pacfl-subspace": [Request(settings=pacfl)],
     }
 

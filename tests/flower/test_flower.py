@@ -33,6 +33,7 @@ SMALL = {
     "fesem": {"n_clusters": 2},
     "wecfl": {"n_clusters": 2},
     "fedem": {"n_components": 2},
+    "fedrc": {"n_clusters": 2},
     "fedsoft": {"n_clusters": 2},
     "cflgp": {"n_clusters": 2},
     "clove": {"n_clusters": 2},

@@ -38,6 +38,7 @@ uploads have no update bound (it is defined for one model per client).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +49,7 @@ from pydantic import Field
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
+    Context,
     RoundOutput,
     State,
     register,
@@ -62,7 +64,8 @@ from fedcluster.algorithms.mixture import (
 )
 from fedcluster.engine.client_computations import EVALUATE
 from fedcluster.engine.results import EvalResult
-from fedcluster.protocol.client_side import ClientBatch
+from fedcluster.protocol.channel import Replies
+from fedcluster.protocol.client_side import ClientBatch, ClientContext
 from fedcluster.protocol.computation import (
     ClientComputation,
     Payload,
@@ -94,24 +97,41 @@ def _components_shape(request: Request) -> tuple[int, ...]:
     return tuple(request.shared["components"].shape)
 
 
-def _train(batch: ClientBatch, request: Request) -> Payload:
+Likelihood = Callable[[ClientContext, torch.Tensor], torch.Tensor]
+"""A client's per-sample negative log-likelihoods [n, M] from its losses [n, M]."""
+
+
+def train_mixture(
+    batch: ClientBatch, request: Request, likelihood: Likelihood | None = None
+) -> tuple[Payload, list[torch.Tensor]]:
+    """Each client's E-step, weight M-step and M responsibility-weighted local trainings
+    (module docstring), the per-sample negative log-likelihoods being the losses or
+    ``likelihood(client, losses)``; the reply and each client's responsibilities."""
     s = request.settings
     components = request.shared["components"]
     rows = torch.empty(len(batch), *components.shape)
     weights = torch.empty(len(batch), len(components))
     loss = torch.empty(len(batch))
+    responsibilities = []
     with single_threaded():
         for i in range(len(batch)):
             client = batch.client(i)
             losses = sample_losses(client, components)
+            if likelihood is not None:
+                losses = likelihood(client, losses)
             pi = request.own["weights"][i]
             q, weights[i] = e_step(losses, pi)
+            responsibilities.append(q)
             loss[i] = mixture_nll(losses, pi)
             for m in range(len(components)):
                 rows[i, m], _ = weighted_sgd(
                     client, components[m], s["train"], s["round"], "train", sample_weight=q[:, m]
                 )
-    return {"components": rows, "weights": weights, "loss": loss}
+    return {"components": rows, "weights": weights, "loss": loss}, responsibilities
+
+
+def _train(batch: ClientBatch, request: Request) -> Payload:
+    return train_mixture(batch, request)[0]
 
 
 TRAIN_COMPONENTS = register_computation(
@@ -162,6 +182,31 @@ EVALUATE_MIXTURE = register_computation(
     )
 )
 """The test accuracy and loss of each client's mixture Σ_m π_m softmax(h_Θm(x))."""
+
+
+def aggregate_components(ctx: Context, components: torch.Tensor, replies: Replies) -> torch.Tensor:
+    """Each of the M components averaged over the replying clients, weighted by their
+    sample counts (Alg. 1 line 9), with the run's aggregation rule."""
+    sizes = torch.as_tensor(ctx.train_sizes[replies.clients], dtype=torch.float32)
+    uploaded = replies["components"]
+    return torch.stack(
+        [ctx.aggregate(components[m], uploaded[:, m], sizes) for m in range(len(uploaded[0]))]
+    )
+
+
+def evaluate_mixtures(
+    ctx: Context, components: torch.Tensor, weights: torch.Tensor, rnd: int
+) -> EvalResult:
+    """Each present client's mixture Σ_m π_m softmax(h_Θm(x)) on its test data (a
+    measurement), ``weights`` [n_clients, M] its π."""
+    clients = np.flatnonzero(ctx.present)
+    request = Request(
+        shared={"components": components},
+        own={"weights": weights[torch.as_tensor(clients, dtype=torch.int64)]},
+        held=frozenset({"weights"}),
+    )
+    r = ctx.ask(EVALUATE_MIXTURE, clients, request, rnd, measurement=True)
+    return EvalResult(r["correct"].numpy(), r["count"].numpy(), r["loss_sum"].numpy(), r.clients)
 
 
 class FedEMParams(AlgorithmParams):
@@ -219,14 +264,7 @@ class FedEM(Algorithm[FedEMParams, FedEMState]):
         replies = ctx.ask(TRAIN_COMPONENTS, selected, request, rnd, metadata_ints=1)
         if not len(replies.clients):
             return RoundOutput(state, float("nan"), mixture_weights_report(state.weights))
-        sizes = torch.as_tensor(ctx.train_sizes[replies.clients], dtype=torch.float32)
-        uploaded = replies["components"]
-        components = torch.stack(
-            [
-                ctx.aggregate(state.components[m], uploaded[:, m], sizes)
-                for m in range(len(uploaded[0]))
-            ]
-        )
+        components = aggregate_components(ctx, state.components, replies)
         weights = state.weights.clone()
         weights[torch.as_tensor(replies.clients)] = replies["weights"].double()
         loss = weighted_loss(replies["loss"], ctx.train_sizes[replies.clients])
@@ -235,16 +273,7 @@ class FedEM(Algorithm[FedEMParams, FedEMState]):
 
     def evaluate(self, state: FedEMState, rnd: int) -> EvalResult:
         """Each present client's mixture on its test data (a measurement)."""
-        clients = np.flatnonzero(self.ctx.present)
-        request = Request(
-            shared={"components": state.components},
-            own={"weights": state.weights[torch.as_tensor(clients, dtype=torch.int64)]},
-            held=frozenset({"weights"}),
-        )
-        r = self.ctx.ask(EVALUATE_MIXTURE, clients, request, rnd, measurement=True)
-        return EvalResult(
-            r["correct"].numpy(), r["count"].numpy(), r["loss_sum"].numpy(), r.clients
-        )
+        return evaluate_mixtures(self.ctx, state.components, state.weights, rnd)
 
     def eval_rows(self, state: FedEMState) -> tuple[torch.Tensor, np.ndarray]:
         """The components and each client's component of largest weight (its cluster);
