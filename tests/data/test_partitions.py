@@ -287,6 +287,7 @@ def test_registry_and_contract() -> None:
         "shards_powerlaw",
         "rotation",
         "per_client_rotation",
+        "flwr",
     }
     with pytest.raises(ConfigError, match="test_ratio"):
         make_partition("iid", _synthetic(10), None, _rng(), n_clients=2, test_ratio=0.5)

@@ -1174,6 +1174,78 @@ def _base_partition(
 
 # --------------------------------------------------------------------------- registry
 
+
+def _flwr_clients(
+    name: str,
+    y_train: np.ndarray,
+    n_clients: int,
+    options: dict[str, Any],
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Each client's training indices from the flwr-datasets partitioner ``name``
+    (``num_partitions=n_clients``; ``partition_by`` defaults to the labels and ``seed`` to
+    one drawn from ``rng``)."""
+    try:
+        import datasets
+        from flwr_datasets import partitioner as flwr_partitioners
+    except ImportError:
+        raise ConfigError(
+            "data.partition: the flwr partition needs flwr-datasets (pip install 'fedcluster[hf]')"
+        ) from None
+    cls = getattr(flwr_partitioners, name, None)
+    names = sorted(
+        n for n in dir(flwr_partitioners) if n.endswith("Partitioner") and n != "Partitioner"
+    )
+    if not (isinstance(cls, type) and issubclass(cls, flwr_partitioners.Partitioner)):
+        raise ConfigError(f"data.partition.partitioner: unknown {name!r}; allowed: {names}")
+    accepted = inspect.signature(cls).parameters
+    kwargs = {"num_partitions": n_clients, **options}
+    if "partition_by" in accepted:
+        kwargs.setdefault("partition_by", "label")
+    if "seed" in accepted:
+        kwargs.setdefault("seed", int(rng.integers(2**31)))
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"data.partition.options: {name} has no argument {unknown[0]!r}; "
+            f"allowed: {sorted(accepted)}"
+        )
+    try:
+        part = cls(**kwargs)
+        part.dataset = datasets.Dataset.from_dict(
+            {"label": np.asarray(y_train, dtype=np.int64), "index": np.arange(len(y_train))}
+        )
+        return [
+            np.asarray(part.load_partition(i)["index"], dtype=np.int64) for i in range(n_clients)
+        ]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"data.partition: {name}: {' '.join(str(exc).split())}") from None
+
+
+def flwr(
+    y_train: np.ndarray,
+    y_test: np.ndarray | None,
+    rng: np.random.Generator,
+    *,
+    partitioner: str = "IidPartitioner",
+    n_clients: int = 10,
+    options: dict[str, Any] | None = None,
+    test: ClientTestSpec = DEFAULT_TEST_SPEC,
+) -> Partition:
+    """A partitioner of flwr-datasets by its class name (``flwr_datasets.partitioner``:
+    ``IidPartitioner``, ``DirichletPartitioner``, ``PathologicalPartitioner``,
+    ``ShardPartitioner``, ...) over the training labels, ``n_clients`` its
+    ``num_partitions`` and ``options`` its other arguments (``partition_by`` defaults
+    to the label column, ``seed`` to one drawn from the run's seed). Each client's test
+    set is drawn as for the built-in partitions (``test_*`` options). Needs the
+    optional dependency ``flwr-datasets`` (``pip install 'fedcluster[hf]'``).
+    """
+    n_clients = _int_option("n_clients", n_clients)
+    y_train, y_test = _pools(y_train, y_test, rng)
+    train = _flwr_clients(partitioner, y_train, n_clients, dict(options or {}), rng)
+    return _finish(train, y_train, y_test, rng, test)
+
+
 PARTITIONS: dict[str, Callable[..., Partition]] = {
     "iid": iid,
     "cluster_table": cluster_table,
@@ -1182,6 +1254,7 @@ PARTITIONS: dict[str, Callable[..., Partition]] = {
     "shards_powerlaw": shards_powerlaw,
     "rotation": rotation,
     "per_client_rotation": per_client_rotation,
+    "flwr": flwr,
 }
 _COMPOSITE = ("rotation", "per_client_rotation")
 

@@ -34,6 +34,7 @@ from fedcluster.config.plugins import resolve
 from fedcluster.data import cifar
 from fedcluster.data.dataset import Dataset, Split
 from fedcluster.data.download import EMNIST_OFFICIAL_URL, ENV_MIRROR, download_dataset
+from fedcluster.data.huggingface import is_hf_source, load_hf
 from fedcluster.data.idx import find_idx_file, read_images_and_labels
 from fedcluster.data.integrity import warn_if_modified
 from fedcluster.data.leaf import LEAF_FOLDERS, load_leaf, missing_leaf_files
@@ -377,7 +378,10 @@ def load_dataset(
     Args:
         name: ``mnist``, ``fashion-mnist``, ``emnist-bymerge``, ``emnist-byclass``,
             ``cifar10``, ``digits``, ``mnist5k``, ``synthetic``, ``leaf-femnist`` or
-            ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`); or a
+            ``leaf-sent140`` (LEAF's JSON files, :mod:`fedcluster.data.leaf`); ``hf:NAME``
+            (a Hugging Face hub dataset) or the path of a local Parquet, Arrow or CSV
+            file (:mod:`fedcluster.data.huggingface`, options ``input_column`` and
+            ``label_column``); or a
             plugin, ``package.module:loader`` or an installed ``fedcluster.datasets``
             entry point (:mod:`fedcluster.config.plugins`), called as ``loader(data_dir=root,
             seed=seed, **options)`` and returning a :class:`Dataset`.
@@ -403,6 +407,8 @@ def load_dataset(
         DataError: the dataset is missing (the message says where it looked and how
             to get it) or a file is truncated or corrupted (the message names it).
     """
+    if is_hf_source(name):  # hf:NAME or a local Parquet/Arrow/CSV source
+        return load_hf(name, download, dict(options))
     source = resolve("dataset", name, _SOURCES)  # or 'package.module:loader', a plugin
     if not isinstance(source, _Source):
         return _plugin_dataset(name, source, data_dir, seed, options)
