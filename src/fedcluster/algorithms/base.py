@@ -345,10 +345,16 @@ class Context:
             held=frozenset({"start"}) if held else frozenset(),
         )
         replies = self.channel.ask(TRAIN, clients, request, rnd, metadata_ints=ints)
-        if self.central is not None and len(replies.clients):
-            kept = start if start.dim() == 1 else start[torch.as_tensor(replies.keep)]
-            self.central.observe(replies.clients, kept, replies["row"])
+        kept = start if start.dim() == 1 else start[torch.as_tensor(replies.keep)]
+        self.observe_uploads(replies.clients, kept, replies["row"])
         return Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
+
+    def observe_uploads(self, clients: np.ndarray, start: torch.Tensor, rows: torch.Tensor) -> None:
+        """Under central DP, enter accepted training uploads ``rows`` [n, d] trained from
+        ``start`` ([d] or [n, d]) in the ledger, the adaptive clip and the sketches
+        (:meth:`CentralDP.observe`); every training upload of an algorithm passes here."""
+        if self.central is not None and len(clients):
+            self.central.observe(clients, start, rows)
 
     def clustering_view(
         self, clients: np.ndarray, origins: torch.Tensor, ends: torch.Tensor, who: str

@@ -323,6 +323,7 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
             choice = replies["cluster"].numpy().astype(np.int64)
             if not len(ex.clients):
                 return RoundOutput(state, float("nan"), found)
+            ctx.observe_uploads(ex.clients, state.models[torch.as_tensor(choice)], ex.rows)
         else:
             chosen = self.choose(state, rnd, selected)  # sends the K models (and JGL's updates)
             found = chosen.diagnostics

@@ -67,8 +67,11 @@ CENTRAL_ALGORITHMS = frozenset(
 )
 """Algorithms whose released models central DP covers: each client's update enters one
 aggregate, and its cluster depends only on its own data and released models (IFCA's
-choice) or on the noisy sketches (DCFL, FedGroup). The others cluster on individual
-updates or gradients (CFL, FL+HC, CFLGT, JGL, FeSEM) and are refused."""
+choice) or on the noisy sketches (DCFL, FedGroup). So does any algorithm whose device
+makes the choice (``choice_on_device: true``: JGL's eq. 4 on the device, from the
+released models and their released steps Δw_k). The others cluster on individual
+updates or gradients (CFL, FL+HC, CFLGT, FeSEM, JGL's server-side choice) and are
+refused."""
 
 History = Sequence[tuple[float, float, int]]
 """Gaussian mechanisms released: ``(noise multiplier, sample rate, steps)``."""
@@ -228,11 +231,19 @@ class CentralDP:
             if p.sketch_dim:
                 raise ConfigError("privacy.sketch_dim: sketches need privacy.mode: central")
             return None
-        refused = sorted({a.name for a in config.algorithms} - CENTRAL_ALGORITHMS)
+        refused = sorted(
+            {
+                a.name
+                for a in config.algorithms
+                if a.name not in CENTRAL_ALGORITHMS and not a.params.get("choice_on_device")
+            }
+        )
         if refused:
             raise ConfigError(
                 f"privacy.mode central: not available for {', '.join(refused)} (they cluster "
-                f"on individual uploads); allowed: {', '.join(sorted(CENTRAL_ALGORITHMS))}"
+                f"on individual uploads); allowed: {', '.join(sorted(CENTRAL_ALGORITHMS))}, "
+                "and JGL with choice_on_device: true (the device chooses from the released "
+                "models)"
             )
         if p.accountant != "rdp":
             raise ConfigError("privacy.accountant: central DP composes with RDP; use rdp")
