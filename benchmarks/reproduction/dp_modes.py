@@ -64,6 +64,9 @@ ALGORITHMS = {
     "ifca-init": "{name: ifca, label: ifca-init, params: {n_clusters: 4, min_cluster_share: 0.2}}",
     # JGL's choice (eq. 4) made on the device from the released models and steps
     "jgl-device": "{name: jgl, label: jgl-device, params: {n_clusters: 4, choice_on_device: true}}",
+    # FeSEM's E-step on the device against the released (random-initialised) centres
+    "fesem-device": "{name: fesem, label: fesem-device, "
+    "params: {n_clusters: 4, init: random, choice_on_device: true}}",
 }
 # FedGroup's round-1 pre-training is one upload more than the rounds.
 BUDGET = "privacy.max_participations=16"
@@ -99,7 +102,7 @@ FEDERATIONS = {
         {
             "local": (("privacy.mode=client",), ("fedavg", "ifca", "dcfl", "fedgroup")),
             "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-init")),
-            "device": (("privacy.mode=central",), ("jgl-device",)),
+            "device": (("privacy.mode=central",), ("jgl-device", "fesem-device")),
             "sketch": (
                 ("privacy.mode=central", "privacy.sketch_dim=256", BUDGET),
                 ("dcfl", "fedgroup"),

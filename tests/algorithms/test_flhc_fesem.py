@@ -165,3 +165,31 @@ def test_fesem_client_init_needs_k_clients(disjoint):
     alg = FeSEM(FeSEM.Params(n_clusters=4), make_context(disjoint, **MLP))
     with pytest.raises(ConfigError, match="n_clusters"):
         alg.run_round(alg.init_state(), 1, np.arange(3))
+
+
+def test_fesem_e_step_on_the_device_equals_the_servers(disjoint):
+    """The device's E-step (its trained model against the K released centres, the same
+    distance) gives the server's assignments and hence the same centres, round by round;
+    only the bytes differ (the centres down to every client, a centre id up)."""
+    runs = []
+    for on_device in (False, True):
+        params = FeSEM.Params(n_clusters=4, init="random", choice_on_device=on_device)
+        ctx = make_context(disjoint, seed=2, **MLP)
+        alg = FeSEM(params, ctx)
+        state = alg.init_state()
+        history = []
+        for rnd in (1, 2, 3):
+            ctx.channel.start_round()
+            state = alg.run_round(state, rnd, np.arange(rnd % 3, N, 2)).state
+            history.append((state.centres.clone(), state.assign.copy()))
+        runs.append(history)
+    for (server_centres, server_assign), (device_centres, device_assign) in zip(*runs, strict=True):
+        assert np.array_equal(server_assign, device_assign)
+        assert torch.equal(server_centres, device_centres)
+    assert len(np.unique(runs[1][0][1][runs[1][0][1] >= 0])) > 1  # round 1 used several centres
+
+
+def test_fesem_choice_on_device_needs_random_centres(disjoint):
+    alg = FeSEM(FeSEM.Params(n_clusters=4, choice_on_device=True), make_context(disjoint, **MLP))
+    with pytest.raises(ConfigError, match="init: random"):
+        alg.init_state()

@@ -110,6 +110,14 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
             )
         ],
         "pacfl-subspace": [Request(settings=pacfl)],
+        "fesem-train-and-choose": [
+            Request(
+                shared={"centres": rows},
+                own={"start": starts},
+                settings={**train, "compare": compare},
+            )
+            for compare in ("parameters", "row")
+        ],
     }
 
 

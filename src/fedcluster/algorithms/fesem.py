@@ -41,6 +41,15 @@ members' updates (each from the model it trained from) split into two
 incongruent halves gives its smaller half to a starved centre. FeSEM's
 delta-free state ignores the repair's Δw.
 
+The E-step on the device (``choice_on_device``, beyond the paper): each selected
+client trains from its centre, then computes the same distance from its local model
+to the K released centres and uploads its model with the nearest centre's id; the
+server's M-step is unchanged and never compares individual models, which is what
+lets FeSEM run under central DP (:mod:`fedcluster.privacy.central`: the choice costs
+no budget, each clipped update joins one centre's sum). Its centres start as K
+random models (``init: random``): k-means++ seeding on the clients' models is a
+server-side look at individual updates.
+
 Dynamic federations (:mod:`fedcluster.experiment.scenario`). A newcomer is a client
 without a cluster: it trains from the mean of the centres and the E-step
 assigns it to the nearest centre, as any client (Xie et al. need no special
@@ -64,6 +73,7 @@ from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_av
 from fedcluster.algorithms.base import (
     Algorithm,
     AlgorithmParams,
+    Exchange,
     RoundOutput,
     State,
     register,
@@ -72,7 +82,10 @@ from fedcluster.algorithms.base import (
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.clustering.distances import euclidean_distance_matrix
+from fedcluster.engine.client_computations import TRAIN
 from fedcluster.errors import ConfigError
+from fedcluster.protocol.client_side import ClientBatch
+from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
 from fedcluster.rng import numpy_rng
 
 
@@ -91,6 +104,50 @@ class FeSEMParams(AlgorithmParams):
     repair: ClusterRepair | None = Field(
         None, description="split incongruent clusters into starved ones (repair.py; None: off)"
     )
+    choice_on_device: bool = Field(
+        False,
+        description="the device runs the E-step: after training it picks the released centre "
+        "nearest its model and uploads both (needs init: random)",
+    )
+
+
+def _train_and_choose(batch: ClientBatch, request: Request) -> Payload:
+    """Train from each client's own start, then the E-step on the device: the released
+    centre nearest the trained model (the server's distance, on the compared part)."""
+    s = request.settings
+    training = Request(
+        own={"start": request.own["start"]}, settings={"train": s["train"], "round": s["round"]}
+    )
+    trained = TRAIN.compute(batch, training)
+    centres = request.shared["centres"]
+    width = batch.layout.param_dim if s["compare"] == "parameters" else batch.dim
+    choice = [
+        int(euclidean_distance_matrix(torch.cat([row[None], centres])[:, :width])[0, 1:].argmin())
+        for row in trained["row"]
+    ]
+    return {**trained, "cluster": torch.as_tensor(choice, dtype=torch.int32)}
+
+
+def _centre_in_range(request: Request, reply: Payload) -> list[str | None]:
+    k = request.shared["centres"].shape[0]
+    return [
+        None if 0 <= c < k else f"cluster id {c} outside 0..{k - 1}"
+        for c in reply["cluster"].tolist()
+    ]
+
+
+TRAIN_AND_CHOOSE = register_computation(
+    replace(  # a training (its DP release, cost and update bound) that reports its E-step
+        TRAIN,
+        name="fesem-train-and-choose",
+        reply={**TRAIN.reply, "cluster": ReplyField((), dtype=torch.int32)},
+        batched_run=_train_and_choose,
+        check=_centre_in_range,
+    )
+)
+"""FeSEM with ``choice_on_device``: local training from the client's centre, then the
+E-step on the device against the K released centres; uploads the model and the centre id
+(the model and one int32 counted)."""
 
 
 def kmeanspp_seeds(distance: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -135,6 +192,11 @@ class FeSEM(Algorithm[FeSEMParams, FeSEMState]):
     def init_state(self) -> FeSEMState:
         ctx = self.ctx
         p = self.params
+        if p.choice_on_device and p.init != "random":
+            raise ConfigError(
+                "fesem.choice_on_device: the device chooses among released centres, so they "
+                "cannot be seeded from the clients' models; set init: random"
+            )
         if p.init == "random":
             centres = ctx.fresh_rows(p.n_clusters, "fesem/centres")
         else:
@@ -154,21 +216,22 @@ class FeSEM(Algorithm[FeSEMParams, FeSEMState]):
                 f"in the first round, got {len(selected)}"
             )
         rows, owner = eval_rows_with_average(state.centres, state.assign)
-        ex = ctx.exchange(selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples"))
+        if p.choice_on_device:
+            ex, device_choice = self.train_and_choose(state, rows[owner[selected]], rnd, selected)
+        else:
+            ex = ctx.exchange(
+                selected, rows[owner[selected]], rnd, ints=int(p.weighting == "samples")
+            )
         selected, local, m = ex.clients, ex.rows, len(ex.clients)
         sizes = ctx.train_sizes[selected]
         loss = weighted_loss(ex.loss, sizes)
         if m == 0 or (not state.seeded and m < p.n_clusters):
             return RoundOutput(state, loss)  # too few accepted models: nothing changes
-        pair = euclidean_distance_matrix(ctx.compared(torch.cat([local, state.centres]))).numpy()
         old = state.centres
-        if state.seeded:
-            to_centres = pair[:m, m:]
+        if p.choice_on_device:
+            choice = device_choice  # the devices' E-step
         else:
-            seeds = kmeanspp_seeds(pair[:m, :m], p.n_clusters, numpy_rng(ctx.seed, "fesem/seeds"))
-            old = local[seeds].clone()
-            to_centres = pair[:m, seeds]
-        choice = to_centres.argmin(axis=1)
+            old, choice = self.e_step(state, local)
         weights = sizes if p.weighting == "samples" else np.ones(m)
         centres, choice = self.m_step(local, choice, old, weights)
         report: dict[str, float] = {}
@@ -193,6 +256,35 @@ class FeSEM(Algorithm[FeSEMParams, FeSEMState]):
         assign[selected] = choice
         new = replace(state, centres=centres, assign=assign, seeded=True)
         return RoundOutput(new, loss, report)
+
+    def e_step(self, state: FeSEMState, local: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """The server's E-step (module docstring): the centres (seeded by k-means++ among
+        ``local`` in the first round) and each local model's nearest centre."""
+        ctx, p, m = self.ctx, self.params, len(local)
+        pair = euclidean_distance_matrix(ctx.compared(torch.cat([local, state.centres]))).numpy()
+        if state.seeded:
+            return state.centres, pair[:m, m:].argmin(axis=1)
+        seeds = kmeanspp_seeds(pair[:m, :m], p.n_clusters, numpy_rng(ctx.seed, "fesem/seeds"))
+        return local[seeds].clone(), pair[:m, seeds].argmin(axis=1)
+
+    def train_and_choose(
+        self, state: FeSEMState, starts: torch.Tensor, rnd: int, selected: np.ndarray
+    ) -> tuple[Exchange, np.ndarray]:
+        """``choice_on_device``: the selected clients train from ``starts`` [n, d], choose
+        the nearest released centre and upload both; the accepted uploads (entered in
+        central DP's ledger) and their centres."""
+        ctx = self.ctx
+        request = Request(
+            shared={"centres": state.centres},
+            own={"start": starts},
+            settings={"train": ctx.train, "round": rnd, "compare": ctx.compare},
+        )
+        ints = int(self.params.weighting == "samples")
+        replies = ctx.ask(TRAIN_AND_CHOOSE, selected, request, rnd, metadata_ints=ints)
+        kept = starts[torch.as_tensor(replies.keep)]
+        ctx.observe_uploads(replies.clients, kept, replies["row"])
+        ex = Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
+        return ex, replies["cluster"].numpy().astype(np.int64)
 
     def m_step(
         self, local: torch.Tensor, choice: np.ndarray, centres: torch.Tensor, weights: np.ndarray
