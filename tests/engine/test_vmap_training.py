@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedcluster.algorithms.base import init_row
 from fedcluster.data.federation import Federation
 from fedcluster.engine.simulator import Simulator
-from fedcluster.engine.vmap_training import vmap_suits
+from fedcluster.engine.vmap_training import vmap_unsuitable
 from fedcluster.errors import ConfigError
 from fedcluster.models import build_model
 from fedcluster.protocol.batches import LocalTraining
@@ -145,12 +146,29 @@ class NoisyInput(nn.Module):
         return self.linear(x + 0.1 * torch.randn_like(x) if self.training else x)
 
 
-def test_a_model_drawing_other_randomness_stays_client_by_client(fed):
-    assert vmap_suits(build_model("cnn", fed.input_shape, 10, dropout=0.5), fed.x_train[:2])
-    assert not vmap_suits(NoisyInput(), fed.x_train[:2])
-    assert Simulator(NoisyInput(), fed, seed=0, vmap="auto").vmap_training is None
-    with pytest.raises(ConfigError, match="vmap: on, but the model's forward draws"):
-        Simulator(NoisyInput(), fed, seed=0, vmap="on")
+class ValueBranch(nn.Module):
+    """Control flow on a value (``.item()``), which ``vmap`` cannot batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        return self.linear(x * 2 if x.mean().item() > 100 else x)
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [(NoisyInput, "draws random numbers other than dropout"), (ValueBranch, "cannot batch")],
+)
+def test_a_model_vmap_cannot_take_stays_client_by_client(fed, model, reason):
+    x, y = fed.x_train[:2], fed.y_train[:2]
+    good = build_model("cnn", fed.input_shape, 10, dropout=0.5)
+    assert vmap_unsuitable(good, F.cross_entropy, x, y) is None
+    assert reason in vmap_unsuitable(model(), F.cross_entropy, x, y)
+    with pytest.raises(ConfigError, match=f"vmap: on, but .*{reason}.*; set vmap: off"):
+        Simulator(model(), fed, seed=0, vmap="on")
 
 
 def test_auto_keeps_the_cpu_on_the_client_by_client_path_and_mlps_on_the_kernel(fed):

@@ -54,7 +54,7 @@ from fedcluster.engine.modes import LossFn, loss_or_default
 from fedcluster.engine.precision import resolve_precision
 from fedcluster.engine.results import EvalResult, TrainResult
 from fedcluster.engine.training_inputs import TrainingInputs
-from fedcluster.engine.vmap_training import VmapTraining, vmap_suits
+from fedcluster.engine.vmap_training import VmapTraining, vmap_unsuitable
 from fedcluster.errors import ConfigError, FedclusterError
 from fedcluster.protocol.batches import LocalTraining, augmenter, batch_plan
 from fedcluster.protocol.client_side import ClientData
@@ -147,14 +147,11 @@ class Simulator(ClientClock):
             return False
         if vmap == "auto" and self.device.type == "cpu":
             return False
-        if vmap_suits(self.model, self.federation.x_train[:2]):
-            return True
-        if vmap == "on":
-            raise ConfigError(
-                "vmap: on, but the model's forward draws random numbers other than dropout "
-                "masks, which only the client-by-client path seeds per client; set vmap: off"
-            )
-        return False
+        fed = self.federation
+        reason = vmap_unsuitable(self.model, self.loss, fed.x_train[:2], fed.y_train[:2])
+        if reason is not None and vmap == "on":
+            raise ConfigError(f"vmap: on, but {reason}; set vmap: off")
+        return reason is None
 
     def _follow_data_changes(self) -> None:
         """Bring what the simulator derives from the clients' data (which clients hold

@@ -19,9 +19,10 @@ path (:mod:`fedcluster.engine.modes`); the user's loss applied to each client's
 batch. Clients whose batch at a step has another size (an epoch's last batch)
 take that step in their own ``vmap``.
 
-A model whose ``forward`` draws random numbers other than dropout masks, a
-training-set augmentation, or record-level DP-SGD train client by client
-(:func:`vmap_suits` and the simulator's dispatch).
+A model whose ``forward`` draws random numbers other than dropout masks or cannot
+be batched by ``torch.func`` (``.item()``, control flow on values), a training-set
+augmentation, or record-level DP-SGD train client by client
+(:func:`vmap_unsuitable` and the simulator's dispatch).
 """
 
 from __future__ import annotations
@@ -89,12 +90,39 @@ def _dropout_calls(
     return record
 
 
-def vmap_suits(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``module``'s training-mode forward pass on the samples ``x`` draws no
-    random numbers but dropout masks (which :class:`VmapTraining` replays per client)."""
+def vmap_unsuitable(
+    module: nn.Module,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> str | None:
+    """Why ``module`` cannot train in groups under ``vmap`` (``None``: it can), from a
+    trial step on the samples ``(x, y)``: a forward pass that draws random numbers other
+    than dropout masks (which :class:`VmapTraining` replays per client), or one that
+    ``torch.func`` cannot batch (``.item()``, control flow on values)."""
     tensors = dict(module.named_parameters()) | dict(module.named_buffers())
-    detached = {name: t.detach() for name, t in tensors.items()}
-    return not _dropout_calls(module, detached, x).other_randomness
+    record = _dropout_calls(module, {n: t.detach() for n, t in tensors.items()}, x)
+    if record.other_randomness:
+        return (
+            "the model's forward draws random numbers other than dropout masks, which only "
+            "the client-by-client path seeds per client"
+        )
+    params = {n: p.detach()[None] for n, p in module.named_parameters()}
+    state = {n: b.detach()[None].clone() for n, b in module.named_buffers()}
+    masks = [torch.ones(1, *shape, dtype=torch.bool) for _, shape in record.calls]
+
+    def trial(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor,
+              y: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        with _ReplayMasks(masks):
+            return loss(functional_call(module, p | b, (x,)), y)
+
+    try:
+        with module_mode(module, True):
+            vmap(grad_and_value(trial), randomness="error")(params, state, x[None], y[None], masks)
+    except Exception as exc:  # noqa: BLE001 -- the model's own code: any failure is the reason
+        reason = " ".join(str(exc).split())[:160]
+        return f"torch.func cannot batch the model's training step ({type(exc).__name__}: {reason})"
+    return None
 
 
 class VmapTraining:
