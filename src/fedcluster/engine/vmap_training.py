@@ -111,8 +111,13 @@ def vmap_unsuitable(
     state = {n: b.detach()[None].clone() for n, b in module.named_buffers()}
     masks = [torch.ones(1, *shape, dtype=torch.bool) for _, shape in record.calls]
 
-    def trial(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor,
-              y: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def trial(
+        p: dict[str, torch.Tensor],
+        b: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        masks: list[torch.Tensor],
+    ) -> torch.Tensor:
         with _ReplayMasks(masks):
             return loss(functional_call(module, p | b, (x,)), y)
 
