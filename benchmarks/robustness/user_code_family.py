@@ -423,6 +423,35 @@ def node_report_cases() -> list[Case]:
     ]
 
 
+HF_SOURCES: dict[str, tuple[str, bytes | None]] = {
+    # name: (data.dataset, the file's bytes written first; None: no file)
+    "Parquet file that is not Parquet": ("bad.parquet", b"garbage"),
+    "Parquet file missing": ("missing.parquet", None),
+    "CSV of text features": ("text.csv", b"a,b,label\nx,1,0\ny,2,1\n"),
+    "CSV with float labels": ("float.csv", b"a,label\n1,0.5\n2,1.5\n"),
+    "CSV with negative labels": ("negative.csv", b"a,label\n1,0\n2,-1\n"),
+    "CSV without a label column": ("nolabel.csv", b"a,b\n1,2\n3,4\n"),
+    "hub dataset not in the cache": ("hf:nobody/no-such-dataset", None),
+}
+
+
+def hf_cases() -> list[Case]:
+    """Data from the Hugging Face ecosystem that cannot be a federation."""
+    cases = []
+    for name, (source, content) in HF_SOURCES.items():
+
+        def go(d: Path, source: str = source, content: bytes | None = content) -> int:
+            if content is not None:
+                (d / source).write_bytes(content)
+            target = source if source.startswith("hf:") else str(d / source)
+            partition = "{name: iid, n_clients: 2, test_fraction: 0.5}"
+            data = f"data={{dataset: {target}, partition: {partition}}}"
+            return cli_main(["run", *TINY, "--set", data, "--out", str(d / "run")])
+
+        cases.append(Case(f"hf data: {name}", "user code", go))
+    return cases
+
+
 def new_family_cases() -> list[Case]:
     """Every case of this module."""
     try:
@@ -432,8 +461,15 @@ def new_family_cases() -> list[Case]:
     else:
         nodes = node_report_cases()
     listing = Case("user code: list algorithms", "user code", cli("list", "algorithms"), "ok")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        hf: list[Case] = []
+    else:
+        hf = hf_cases()
     return [
         *user_code_cases(),
+        *hf,
         listing,
         *api_cases(),
         *resource_cases(),

@@ -95,7 +95,8 @@ def load_hf(name: str, download: bool, options: dict[str, Any]) -> Dataset:
     except (DataError, ConfigError):
         raise
     except Exception as exc:  # noqa: BLE001 -- the library's many errors, as one line
-        hint = " (not in the local cache: run once with download enabled)" if not download else ""
+        hub = name.startswith(PREFIX) and not download
+        hint = " (not in the local cache: run once with download enabled)" if hub else ""
         raise DataError(
             f"data.dataset: {name}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}{hint}"
         ) from None
@@ -132,7 +133,7 @@ def from_hf(
     else:
         raise ConfigError(f"{name}: a datasets.Dataset or DatasetDict, not {type(data).__name__}")
     label = _column(train, label_column, LABEL_COLUMNS, "label_column", name)
-    classes = _classes(train, label, test)
+    classes = _classes(train, label, test, name)
     return Dataset(
         name=name,
         train=_split(train, input_column, label, classes, name),
@@ -159,7 +160,7 @@ def _column(
     return found
 
 
-def _classes(train: Any, label: str, test: Any) -> tuple[str, ...]:
+def _classes(train: Any, label: str, test: Any, name: str) -> tuple[str, ...]:
     """The class names: a ClassLabel's, else the sorted distinct labels of both splits."""
     feature = train.features[label]
     names = getattr(feature, "names", None)
@@ -170,7 +171,9 @@ def _classes(train: Any, label: str, test: Any) -> tuple[str, ...]:
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in distinct):
         top = int(max(distinct, default=-1))
         if distinct and int(distinct[0]) < 0:
-            raise DataError(f"label column {label!r} holds the negative label {distinct[0]}")
+            raise DataError(
+                f"{name}: label column {label!r} holds the negative label {distinct[0]}"
+            )
         return tuple(str(c) for c in range(top + 1))
     return tuple(str(v) for v in distinct)
 
@@ -178,7 +181,7 @@ def _classes(train: Any, label: str, test: Any) -> tuple[str, ...]:
 def _split(
     table: Any, input_column: str | None, label: str, classes: tuple[str, ...], name: str
 ) -> Split:
-    y = _labels(table[label], classes, label)
+    y = _labels(table[label], classes, label, name)
     try:
         column = _column(table, input_column, INPUT_COLUMNS, "input_column", name)
     except DataError:
@@ -188,14 +191,16 @@ def _split(
     return Split(_inputs(table.with_format("numpy")[column], column, name), y)
 
 
-def _labels(values: Any, classes: tuple[str, ...], column: str) -> torch.Tensor:
+def _labels(values: Any, classes: tuple[str, ...], column: str, name: str) -> torch.Tensor:
     values = list(values)
     if values and isinstance(values[0], str):
         index = {c: i for i, c in enumerate(classes)}
         return torch.tensor([index[v] for v in values], dtype=torch.int64)
     y = np.asarray(values)
     if not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"label column {column!r} holds {y.dtype} values, not integer labels")
+        raise DataError(
+            f"{name}: label column {column!r} holds {y.dtype} values, not integer labels"
+        )
     return torch.as_tensor(y.astype(np.int64))
 
 
