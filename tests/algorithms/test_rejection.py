@@ -39,7 +39,7 @@ PARAMS: dict[str, dict] = {
     "pfedgraph": {},
 }
 UPLOADS_NOTHING = {"local"}  # its models never leave the clients: nothing to reject
-OWN_TRAINING = {"fedem": "components", "fedsoft": "row"}
+OWN_TRAINING = {"fedem": "components", "fedrc": "components", "fedsoft": "row"}
 """Algorithms that train through a computation of their own (not ``sim.train``): their
 model upload field, corrupted where the reply leaves the backend."""
 
