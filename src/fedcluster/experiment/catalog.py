@@ -48,6 +48,9 @@ ALGORITHMS = {
     "per-cluster aggregation (Ma et al., arXiv:2202.06187, Alg. 1)",
     "fedem": "FedEM: federated EM over M shared components with per-client mixture weights "
     "(Marfoq et al., NeurIPS 2021, Alg. 1, eqs. 8-10)",
+    "fedrc": "FedRC: FedEM's soft assignment with a robust likelihood p(y|x)/P(y) that "
+    "separates concept shifts and keeps feature and label shifts together "
+    "(Guo, Tang, Lin, ICML 2024)",
     "fedsoft": "FedSoft: importance weights from the best-fitting cluster model per sample, "
     "proximal local updates toward the cluster models (Ruan & Joe-Wong, AAAI 2022, Alg. 1)",
     "cflgp": "CFL-GP: accumulated gradient profiles at each cluster model, periodic spectral "
@@ -87,6 +90,8 @@ PARTITIONS = {
     "rotation": "hidden groups whose images are rotated by 0/90/180/270 degrees (IFCA Sec. 5.2)",
     "per_client_rotation": "every client's images rotated by its own angle (DCFL Sec. III)",
     "natural": "the dataset's own clients (LEAF's users, Synthetic's devices), as they come",
+    "flwr": "a flwr-datasets partitioner by class name (DirichletPartitioner, ...; "
+    "needs fedcluster[hf])",
 }
 
 MODELS = {
