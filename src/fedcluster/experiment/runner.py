@@ -43,7 +43,7 @@ from fedcluster.config.schema import (
 )
 from fedcluster.data.configured import build_federation_for, load_partitioned
 from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
-from fedcluster.data.federation import Federation, build_federation
+from fedcluster.data.federation import Federation
 from fedcluster.data.screen import check_given, screen_clients
 from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout
@@ -204,10 +204,10 @@ class Experiment:
                 "scenario.drift: 'redistribute' redraws samples from the config's dataset; "
                 "it is not available for a federation passed in directly"
             )
-        dataset, partition = load_partitioned(self.config, seed)
+        data = load_partitioned(self.config, seed)
         # the pool follows the partition's client numbering: a bad client refuses the run
-        federation = screen_clients(build_federation(dataset, partition), "refuse")
-        return federation, DriftPool(dataset, partition)
+        federation = screen_clients(data.federation(), "refuse")
+        return federation, DriftPool(data.dataset, data.partition)
 
     def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
