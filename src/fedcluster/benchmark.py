@@ -1,0 +1,340 @@
+"""A leaderboard: every method on every scenario of a suite over seeds, in one table.
+
+``fedcluster benchmark SUITE`` runs a *suite* (a YAML file, or a built-in one from
+``fedcluster/config/suites``): a base experiment config, the methods (``all``: every
+registered algorithm, each with the suite's ``params`` for it, so methods added to
+the package join by themselves) and the scenarios, each a set of config fields
+(e.g. ``data.shift``, :mod:`fedcluster.data.shift`; ``scenario.drift`` for the drift
+track). Each scenario is one run directory, ``<out>/<i>-<name>``, holding its
+(method, seed) jobs; a killed benchmark started again with the same ``--out``
+resumes every job from its own checkpoint (:func:`fedcluster.experiment.runner.resume`)
+and skips the finished ones.
+
+Two tracks besides plain training:
+
+- **unseen clients** (``unseen: N``): the last N clients never join
+  (``scenario.joins``: after the last round), so no method trains on them or
+  evaluates them; after training each one picks a model of the job label-free, by
+  the lowest mean prediction entropy on its test data
+  (:mod:`fedcluster.experiment.cluster_choice`), and its accuracy with that model is
+  reported apart -- the protocol of FLUX (Fenoglio et al., "Flux: Efficient
+  Descriptor-Driven Clustered Federated Learning under Arbitrary Distribution
+  Shifts", 2025, Sec. 5: clients unseen in training, without labels, assigned at
+  test time);
+- **drift**: a scenario with ``scenario.drift`` events, clients changing their
+  distribution at given rounds as in FedDrift (Jothimurugesan et al., "Federated
+  Learning under Distributed Concept Drift", AISTATS 2023, Sec. 5).
+
+Per (scenario, method) the table gives the final accuracy's mean over seeds and its
+95 % Student t interval (:func:`fedcluster.stats.mean_ci`), the paired t-test
+against the scenario's best method on their common seeds
+(:func:`fedcluster.stats.paired_test`), the mean accuracy of the worst 10 % of
+clients at the last evaluation (``clients.csv``), the clustering's ARI against the
+ground-truth groups, the bytes sent both ways, and the unseen clients' accuracy;
+each a mean over seeds. ``<out>`` gets ``leaderboard.json`` (with the per-seed
+values), ``leaderboard.md`` and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedcluster.config.overrides import value_text
+from fedcluster.config.schema import (
+    ExperimentConfig,
+    apply_set,
+    describe_error,
+    load_preset,
+    validate_config,
+    with_execution,
+)
+from fedcluster.errors import ConfigError
+from fedcluster.experiment import safefiles
+from fedcluster.experiment.client_results import read_clients
+from fedcluster.reporting.clients import WORST_FRACTION, worst_rows
+from fedcluster.reporting.document import Section
+from fedcluster.reporting.writers import write_html, write_markdown
+from fedcluster.stats import mean_ci, paired_test
+
+__all__ = ["BenchmarkResult", "Suite", "list_suites", "load_suite", "run_benchmark"]
+
+UNSEEN_RULE = "entropy"
+"""The label-free rule by which an unseen client picks its model."""
+
+
+class ScenarioSpec(BaseModel):
+    """One scenario of a suite: config fields set on the base config."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    set: dict[str, Any] = Field(default_factory=dict, description="dotted field -> value")
+    unseen: int = Field(0, ge=0, description="the last N clients are never trained")
+
+
+class Suite(BaseModel):
+    """A benchmark suite (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    preset: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    methods: Literal["all"] | list[str] = "all"
+    exclude: list[str] = Field(default_factory=list)
+    params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    scenarios: list[ScenarioSpec] = Field(min_length=1)
+
+    def method_names(self) -> list[str]:
+        """The methods run: every registered algorithm (``all``) or those listed, less
+        ``exclude``."""
+        from fedcluster.algorithms import ALGORITHMS
+
+        names = sorted(ALGORITHMS) if self.methods == "all" else list(self.methods)
+        unknown = [n for n in [*names, *self.exclude, *self.params] if n not in ALGORITHMS]
+        if unknown:
+            raise ConfigError(
+                f"suite {self.name!r}: unknown method {unknown[0]!r}; "
+                f"registered: {', '.join(sorted(ALGORITHMS))}"
+            )
+        return [n for n in names if n not in self.exclude]
+
+    def config_for(self, scenario: ScenarioSpec) -> ExperimentConfig:
+        """The validated config of one scenario: base, scenario fields, methods, unseen."""
+        raw: dict[str, Any] = load_preset(self.preset) if self.preset else {}
+        raw = {**raw, **self.config, "name": f"{self.name}-{scenario.name}"}
+        raw["algorithms"] = [
+            {"name": n, "label": n, "params": self.params.get(n, {})} for n in self.method_names()
+        ]
+        for field, value in scenario.set.items():
+            raw = apply_set(raw, f"{field}={value_text(value)}")
+        if scenario.unseen:
+            rounds = validate_config(raw).rounds
+            raw = apply_set(raw, f"scenario.joins.rounds={[rounds + 1] * scenario.unseen}")
+        return validate_config(raw)
+
+
+def list_suites() -> list[str]:
+    """The built-in suites' names."""
+    files = resources.files("fedcluster.config.suites").iterdir()
+    return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml"))
+
+
+def load_suite(name_or_path: str | Path) -> Suite:
+    """A suite from a YAML file, or a built-in one by name; one line when it is invalid."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        try:
+            text = safefiles.read_bytes(path).decode()
+        except OSError as exc:
+            raise ConfigError(f"suite {path}: {exc.strerror or exc}") from None
+        where = str(path)
+    else:
+        if str(name_or_path) not in list_suites():
+            raise ConfigError(
+                f"unknown suite {str(name_or_path)!r}; built in: {', '.join(list_suites())}"
+            )
+        text = (resources.files("fedcluster.config.suites") / f"{name_or_path}.yaml").read_text()
+        where = f"suite {name_or_path}"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not YAML ({str(exc).splitlines()[0]})") from None
+    try:
+        return Suite.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(f"{where}: {describe_error(dict(first), 'suite')}") from None
+
+
+@dataclass
+class BenchmarkResult:
+    """A finished benchmark read back: one row per (scenario, method), ``report`` its page."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    report: Path
+
+    def table(self) -> str:
+        """The leaderboard as Markdown."""
+        return (self.path / "leaderboard.md").read_text()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "scenario"
+
+
+def run_benchmark(
+    suite: Suite, out: str | Path, *, jobs: int | None = None, progress: bool = False
+) -> BenchmarkResult:
+    """Run (or resume) every scenario of ``suite`` under ``out`` and write the leaderboard."""
+    from fedcluster.experiment.runner import Experiment, resume
+
+    out = Path(out)
+    configs = [suite.config_for(s) for s in suite.scenarios]  # every one checked first
+    rows: list[dict[str, Any]] = []
+    for i, (scenario, config) in enumerate(zip(suite.scenarios, configs, strict=True)):
+        run_dir = out / f"{i:02d}-{_slug(scenario.name)}"
+        execution = {} if jobs is None else {"jobs": jobs}
+        if (run_dir / "config.yaml").is_file():
+            resume(run_dir, progress=progress, execution=execution)
+        else:
+            Experiment(with_execution(config, **execution)).run(run_dir, progress=progress)
+        rows += scenario_rows(scenario.name, run_dir, config, scenario.unseen)
+    return write_leaderboard(out, suite.name, rows)
+
+
+def _job_values(run_dir: Path) -> dict[tuple[str, int], dict[str, float | None]]:
+    """Per (method, seed): final accuracy, ARI, bytes both ways and worst-10% accuracy."""
+    summary = json.loads(safefiles.read_bytes(run_dir / "summary.json"))
+    clients = read_clients(run_dir)
+    last = clients.groupby(["algorithm", "seed"])["round"].transform("max")
+    final = clients[clients["round"] == last]
+    values: dict[tuple[str, int], dict[str, float | None]] = {}
+    for job in summary["jobs"]:
+        key = (str(job["algorithm"]), int(job["seed"]))
+        mine = final[(final["algorithm"] == key[0]) & (final["seed"] == key[1])]
+        worst = worst_rows(mine, WORST_FRACTION)["accuracy"].mean() if len(mine) else None
+        values[key] = {
+            "accuracy": job["final_accuracy"],
+            "ari": job["final_ari"],
+            "megabytes": (job["bytes_up"] + job["bytes_down"]) / 1e6,
+            "worst": None if worst is None else float(worst),
+        }
+    return values
+
+
+def unseen_accuracy(
+    run_dir: Path, config: ExperimentConfig, count: int
+) -> dict[tuple[str, int], float]:
+    """Per (method, seed): the mean accuracy of the last ``count`` clients (never trained)
+    with the model each picks by :data:`UNSEEN_RULE` on its test data."""
+    from fedcluster.data.configured import build_federation_for
+    from fedcluster.experiment.cluster_choice import DeviceData, FinishedRun
+
+    finished = FinishedRun.load(run_dir)
+    out: dict[tuple[str, int], float] = {}
+    for seed in config.seeds:
+        fed = build_federation_for(config, seed)
+        devices = []
+        for c in range(fed.n_clients - count, fed.n_clients):
+            rows = fed.client_slice(c, "test")
+            group = None if fed.groups is None else int(fed.groups[c])
+            devices.append(DeviceData(fed.x_test[rows], fed.y_test[rows], group, f"client {c}"))
+        for job in (j for j in finished.jobs if j.seed == seed):
+            accuracy = [job.assign(d).chosen_accuracy(UNSEEN_RULE) for d in devices if len(d.x)]
+            out[(job.algorithm, seed)] = float(np.mean([a for a in accuracy if a is not None]))
+    return out
+
+
+def scenario_rows(
+    name: str, run_dir: Path, config: ExperimentConfig, unseen: int
+) -> list[dict[str, Any]]:
+    """The leaderboard rows of one scenario's run directory."""
+    values = _job_values(run_dir)
+    if unseen:
+        for key, acc in unseen_accuracy(run_dir, config, unseen).items():
+            values[key]["unseen"] = acc
+    methods = list(dict.fromkeys(m for m, _ in values))
+    per_seed = {
+        m: {s: v for (mm, s), v in values.items() if mm == m and v["accuracy"] is not None}
+        for m in methods
+    }
+    means = {m: np.mean([v["accuracy"] for v in per_seed[m].values()]) for m in per_seed}
+    best = max((m for m in methods if per_seed[m]), key=lambda m: means[m])
+    rows = []
+    for m in methods:
+        seeds = sorted(per_seed[m])
+        accuracy = [float(per_seed[m][s]["accuracy"]) for s in seeds]  # type: ignore[arg-type]
+        ci = mean_ci(accuracy) if accuracy else None
+        common = sorted(set(seeds) & set(per_seed[best]))
+        p = None
+        if m != best and len(common) >= 2:
+            test = paired_test(
+                m,
+                [float(per_seed[m][s]["accuracy"]) for s in common],  # type: ignore[arg-type]
+                best,
+                [float(per_seed[best][s]["accuracy"]) for s in common],  # type: ignore[arg-type]
+            )
+            p = _finite(test.t_p)
+        rows.append(
+            {
+                "scenario": name,
+                "method": m,
+                "seeds": seeds,
+                "accuracy": accuracy,
+                "mean": None if ci is None else _finite(ci.mean),
+                "ci_low": None if ci is None else _finite(ci.low),
+                "ci_high": None if ci is None else _finite(ci.high),
+                "best": m == best,
+                "p_vs_best": p,
+                **{
+                    k: _mean([values[(m, s)].get(k) for s in seeds])
+                    for k in ("worst", "ari", "megabytes", "unseen")
+                },
+            }
+        )
+    return rows
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+def _mean(values: list[Any]) -> float | None:
+    known = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return float(np.mean(known)) if known else None
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The leaderboard as text: percentages, the interval in brackets, the best marked."""
+    return [
+        {
+            "scenario": r["scenario"],
+            "method": r["method"] + (" (best)" if r["best"] else ""),
+            "seeds": str(len(r["seeds"])),
+            "accuracy %": _pct(r["mean"]),
+            "95% CI": f"[{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]",
+            "p vs best": "–" if r["p_vs_best"] is None else f"{r['p_vs_best']:.3g}",
+            "worst 10% %": _pct(r["worst"]),
+            "ARI": "–" if r["ari"] is None else f"{r['ari']:.2f}",
+            "MB": "–" if r["megabytes"] is None else f"{r['megabytes']:.1f}",
+            "unseen %": _pct(r["unseen"]),
+        }
+        for r in rows
+    ]
+
+
+def write_leaderboard(out: Path, name: str, rows: list[dict[str, Any]]) -> BenchmarkResult:
+    """``leaderboard.json``, ``leaderboard.md`` and ``report.html`` of ``rows`` under ``out``."""
+    safefiles.write_atomic(
+        out / "leaderboard.json", json.dumps({"suite": name, "rows": rows}, indent=2)
+    )
+    section = Section(
+        "leaderboard",
+        "Leaderboard",
+        "Final accuracy: mean over seeds and its 95% Student t interval; p vs best: paired "
+        "t-test against the scenario's best method on their common seeds; worst 10%: mean "
+        "accuracy of the worst tenth of clients at the last evaluation; ARI: the clusters "
+        "against the ground-truth groups; MB: bytes sent both ways; unseen: accuracy of the "
+        "clients never trained, each with the model of lowest prediction entropy on its data. "
+        "Each a mean over seeds.",
+        tables=[("", table_rows(rows))],
+    )
+    title = f"fedcluster benchmark: {name}"
+    subtitle = f"Benchmark directory {out}; one run directory per scenario, each with its report."
+    write_markdown(out / "leaderboard.md", title, subtitle, [section])
+    write_html(out / "report.html", title, subtitle, [section])
+    return BenchmarkResult(out, rows, out / "report.html")
