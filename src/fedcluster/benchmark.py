@@ -37,7 +37,9 @@ values), ``leaderboard.md`` and ``report.html``.
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -59,14 +61,17 @@ from fedcluster.config.schema import (
     with_execution,
 )
 from fedcluster.errors import ConfigError
-from fedcluster.experiment import safefiles
+from fedcluster.experiment import health, safefiles
 from fedcluster.experiment.client_results import read_clients
+from fedcluster.experiment.rundir import RunDirectory, event_lines
 from fedcluster.reporting.clients import WORST_FRACTION, worst_rows
 from fedcluster.reporting.document import Section
 from fedcluster.reporting.writers import write_html, write_markdown
 from fedcluster.stats import mean_ci, paired_test
 
 __all__ = ["BenchmarkResult", "Suite", "list_suites", "load_suite", "run_benchmark"]
+
+log = logging.getLogger(__name__)
 
 UNSEEN_RULE = "entropy"
 """The label-free rule by which an unseen client picks its model."""
@@ -218,7 +223,7 @@ def unseen_accuracy(
     """Per (method, seed): the mean accuracy of the last ``count`` clients (never trained)
     with the model each picks by :data:`UNSEEN_RULE` on its test data."""
     from fedcluster.data.configured import build_federation_for
-    from fedcluster.experiment.cluster_choice import DeviceData, FinishedRun
+    from fedcluster.experiment.cluster_choice import LABEL_FREE, DeviceData, FinishedRun
 
     finished = FinishedRun.load(run_dir)
     out: dict[tuple[str, int], float] = {}
@@ -230,9 +235,26 @@ def unseen_accuracy(
             group = None if fed.groups is None else int(fed.groups[c])
             devices.append(DeviceData(fed.x_test[rows], fed.y_test[rows], group, f"client {c}"))
         for job in (j for j in finished.jobs if j.seed == seed):
-            accuracy = [job.assign(d).chosen_accuracy(UNSEEN_RULE) for d in devices if len(d.x)]
+            chosen = [job.assign(d) for d in devices if len(d.x)]
+            accuracy = [a.chosen_accuracy(UNSEEN_RULE) for a in chosen]
             out[(job.algorithm, seed)] = float(np.mean([a for a in accuracy if a is not None]))
+            _record_warnings(run_dir, config.rounds, health.same_model(chosen, LABEL_FREE))
     return out
+
+
+def _record_warnings(run_dir: Path, rnd: int, found: list[tuple[str, int, str]]) -> None:
+    """Log each warning and add it to ``events.csv`` unless it is there already (a
+    benchmark read back again)."""
+    rundir = RunDirectory(run_dir)
+    known = set()
+    if rundir.events.is_file():
+        with rundir.events.open(newline="") as f:
+            known = {(r["algorithm"], r["seed"], r["detail"]) for r in csv.DictReader(f)}
+    for algorithm, seed, line in found:
+        log.warning("%s seed %d: %s", algorithm, seed, line)
+        if (algorithm, str(seed), line) not in known:
+            events = [(health.NO_CLIENT, health.WARNING, line)]
+            rundir.append(rundir.events, event_lines(algorithm, seed, rnd, events))
 
 
 def scenario_rows(

@@ -50,6 +50,7 @@ from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, resolve_loss
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.experiment import health
 from fedcluster.experiment.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.experiment.capacity import check_batch_plans, check_cluster_counts
 from fedcluster.experiment.client_results import client_records
@@ -434,6 +435,7 @@ class Job:
             self._build(None)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self._keep_traffic = False  # init_state's traffic, kept for the first round
+        self._warnings: list[tuple[int, str, str]] = []  # the K choice's, for round 1
         self.info.groups = federation.groups
 
     def run(
@@ -489,7 +491,14 @@ class Job:
         k, curve = select_k(self.ctx, self.auto, np.flatnonzero(self.channel.available))
         rundir.save_k_curve(label, seed, self.auto.field, curve, k)
         log.info("%s seed %d: %s = %d (silhouette %s)", label, seed, self.auto.field, k, curve)
+        self._warn(health.near_tie(curve, k))
         self._build(k)
+
+    def _warn(self, line: str | None) -> None:
+        """Log a warning of :mod:`fedcluster.experiment.health` and keep it for ``events.csv``."""
+        if line is not None:
+            log.warning("%s seed %d: %s", self.info.label, self.info.seed, line)
+            self._warnings.append((health.NO_CLIENT, health.WARNING, line))
 
     def checkpointed(self, rundir: RunDirectory) -> tuple[Checkpoint, State] | None:
         """The job's checkpoint in ``rundir`` and the server state it holds, checked
@@ -594,7 +603,10 @@ class Job:
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan
             )
         row["eval_seconds"] = time.perf_counter() - t1
-        info.events = events + channel.events + self._end_round(rnd)
+        if assign is not None and rnd == cfg.rounds:
+            self._warn(health.one_cluster(assign, channel.present))
+        info.events = events + channel.events + self._end_round(rnd) + self._warnings
+        self._warnings = []
         info.clusters = assign
         info.diagnostics = {**({} if out is None else out.diagnostics), **honest}
         return row, state
