@@ -155,3 +155,15 @@ def test_built_in_suites_validate() -> None:
         suite = load_suite(name)
         for scenario in suite.scenarios:
             suite.config_for(scenario)
+
+
+def test_the_command_reads_a_finished_benchmark_back(
+    finished, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out, rows = finished
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(json.dumps(SUITE))  # JSON is YAML
+    assert main(["benchmark", str(suite), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "ifca" in printed and "(best)" in printed and "report:" in printed
+    assert json.loads((out / "leaderboard.json").read_text())["rows"] == rows
