@@ -41,10 +41,12 @@ def test_near_tie_compares_the_chosen_k_with_the_runner_up() -> None:
     assert health.near_tie({2: 0.3}, 2) is None  # nothing to compare with
 
 
-def _assignment(algorithm: str, chosen: int, models: list[int]) -> Assignment:
+def _assignment(
+    algorithm: str, chosen: int, models: list[int], group: int | None = None
+) -> Assignment:
     scores = {r: [0.0] * len(models) for r in ("entropy", "confidence")}
     return Assignment(
-        algorithm, 0, "d", None, 10, models, [1] * len(models), scores,
+        algorithm, 0, "d", group, 10, models, [1] * len(models), scores,
         {"entropy": chosen, "confidence": models[0]},
     )  # fmt: skip
 
@@ -53,7 +55,8 @@ def test_same_model_flags_a_rule_that_tells_no_device_apart() -> None:
     same = [_assignment("ifca", 1, [0, 1]), _assignment("ifca", 1, [0, 1])]
     apart = [_assignment("fesem", 0, [0, 1]), _assignment("fesem", 1, [0, 1])]
     single = [_assignment("fedavg", 0, [0]), _assignment("fedavg", 0, [0])]
-    found = health.same_model(same + apart + single, ["entropy", "confidence"])
+    one_group = [_assignment("wecfl", 1, [0, 1], group=3), _assignment("wecfl", 1, [0, 1], 3)]
+    found = health.same_model(same + apart + single + one_group, ["entropy", "confidence"])
     # ifca: both rules chose one model; fesem: confidence did (models[0]) but entropy did not
     assert [(a, rule in line) for a, _, line in found for rule in ["'entropy'"]] == [
         ("ifca", True),

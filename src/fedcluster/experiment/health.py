@@ -15,9 +15,9 @@ never per method, and each one line, logged and written to ``events.csv`` (kind
   analysis", J. Comput. Appl. Math. 20, 1987, Sec. 3: an average silhouette near 0
   means no substantial structure was found).
 - **a label-free rule that gives every device the same model**: among several
-  devices and several cluster models, the rule (prediction entropy or confidence,
-  :mod:`fedcluster.experiment.cluster_choice`) chose one model for all of them, so
-  it told nothing apart.
+  devices (not all of one known group) and several cluster models, the rule
+  (prediction entropy or confidence, :mod:`fedcluster.experiment.cluster_choice`)
+  chose one model for all of them, so it told nothing apart.
 """
 
 from __future__ import annotations
@@ -70,20 +70,22 @@ def same_model(
     assignments: Sequence[Assignment], rules: Sequence[str]
 ) -> list[tuple[str, int, str]]:
     """``(algorithm, seed, warning)`` per job and label-free rule that gave every device
-    the same model, when the job offered two or more models to two or more devices."""
+    the same model, when the job offered two or more models to two or more devices that
+    are not all of one known group."""
     jobs: dict[tuple[str, int], list[Assignment]] = {}
     for a in assignments:
         jobs.setdefault((a.algorithm, a.seed), []).append(a)
     found = []
     for (algorithm, seed), mine in jobs.items():
-        if len(mine) < 2 or len(mine[0].models) < 2:
-            continue
+        groups = {a.group for a in mine}
+        if len(mine) < 2 or len(mine[0].models) < 2 or (len(groups) == 1 and None not in groups):
+            continue  # one model for devices of one known group is no sign of trouble
         for rule in rules:
             chosen = {a.chosen[rule] for a in mine if rule in a.chosen}
             if len(chosen) == 1:
                 line = (
                     f"the label-free rule {rule!r} gave all {len(mine)} devices model "
-                    f"{chosen.pop()} of {len(mine[0].models)}"
+                    f"{chosen.pop()} (of {len(mine[0].models)} candidates)"
                 )
                 found.append((algorithm, seed, line))
     return found
