@@ -167,3 +167,24 @@ def test_the_command_reads_a_finished_benchmark_back(
     printed = capsys.readouterr().out
     assert "ifca" in printed and "(best)" in printed and "report:" in printed
     assert json.loads((out / "leaderboard.json").read_text())["rows"] == rows
+
+
+def test_a_changed_suite_is_not_resumed_into_the_old_directory(finished) -> None:
+    out, _ = finished
+    changed = {**SUITE, "config": {**SUITE["config"], "rounds": 4}}
+    with pytest.raises(ConfigError, match="another 'rounds'.*new --out"):
+        run_benchmark(Suite.model_validate(changed), out)
+
+
+def test_a_warning_is_written_to_events_csv_once(finished) -> None:
+    from fedcluster.benchmark import _record_warnings
+
+    out, _ = finished
+    run = out / "01-label"
+    for _ in range(2):  # a benchmark read back again finds the warning there already
+        _record_warnings(run, 3, [("ifca", 1, "the rule 'entropy' gave all, of 2")])
+    events = pd.read_csv(run / "events.csv")
+    mine = events[events["detail"] == "the rule 'entropy' gave all, of 2"]
+    assert len(mine) == 1 and mine[
+        ["algorithm", "seed", "round", "client", "kind"]
+    ].values.tolist() == [["ifca", 1, 3, -1, "warning"]]

@@ -53,10 +53,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedcluster.config.overrides import value_text
 from fedcluster.config.schema import (
+    EXECUTION_FIELDS,
+    RECORD_KEY,
     ExperimentConfig,
     apply_set,
     describe_error,
     load_preset,
+    load_yaml,
     validate_config,
     with_execution,
 )
@@ -190,11 +193,27 @@ def run_benchmark(
         run_dir = out / f"{i:02d}-{_slug(scenario.name)}"
         execution = {} if jobs is None else {"jobs": jobs}
         if (run_dir / "config.yaml").is_file():
+            _check_same(run_dir, config)
             resume(run_dir, progress=progress, execution=execution)
         else:
             Experiment(with_execution(config, **execution)).run(run_dir, progress=progress)
         rows += scenario_rows(scenario.name, run_dir, config, scenario.unseen)
     return write_leaderboard(out, suite.name, rows)
+
+
+def _check_same(run_dir: Path, config: ExperimentConfig) -> None:
+    """A :class:`ConfigError` when ``run_dir`` was run with another config than the
+    suite's for its scenario (a changed suite written into the same ``--out``)."""
+    raw = load_yaml(run_dir / "config.yaml")
+    raw.pop(RECORD_KEY, None)
+    found = validate_config(raw).model_dump(exclude=set(EXECUTION_FIELDS))
+    wanted = config.model_dump(exclude=set(EXECUTION_FIELDS))
+    differ = [k for k in wanted if found.get(k) != wanted[k]]
+    if differ:
+        raise ConfigError(
+            f"{run_dir} was run with another {differ[0]!r} than the suite gives its scenario; "
+            "run the changed suite with a new --out"
+        )
 
 
 def _job_values(run_dir: Path) -> dict[tuple[str, int], dict[str, float | None]]:
