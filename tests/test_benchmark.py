@@ -143,6 +143,10 @@ def test_bad_suites_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text("name: x\nscenarios: []\n")
     with pytest.raises(ConfigError, match="bad.yaml"):
         load_suite(bad)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(json.dumps({**SUITE, "scenarios": [SUITE["scenarios"][1]] * 2}))
+    with pytest.raises(ConfigError, match="two scenarios are named 'label'"):
+        load_suite(twice)
     with pytest.raises(ConfigError, match="unknown suite"):
         load_suite("no-such-suite")
     assert main(["benchmark", str(bad), "--out", str(tmp_path / "o")]) == 2

@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedcluster.config.overrides import value_text
 from fedcluster.config.schema import (
@@ -100,6 +100,15 @@ class Suite(BaseModel):
     exclude: list[str] = Field(default_factory=list)
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     scenarios: list[ScenarioSpec] = Field(min_length=1)
+
+    @field_validator("scenarios")
+    @classmethod
+    def _unique_names(cls, scenarios: list[ScenarioSpec]) -> list[ScenarioSpec]:
+        names = [s.name for s in scenarios]
+        twice = [n for n in names if names.count(n) > 1]
+        if twice:
+            raise ValueError(f"two scenarios are named {twice[0]!r}; give each its own name")
+        return scenarios
 
     def method_names(self) -> list[str]:
         """The methods run: every registered algorithm (``all``) or those listed, less
@@ -256,7 +265,9 @@ def unseen_accuracy(
         for job in (j for j in finished.jobs if j.seed == seed):
             chosen = [job.assign(d) for d in devices if len(d.x)]
             accuracy = [a.chosen_accuracy(UNSEEN_RULE) for a in chosen]
-            out[(job.algorithm, seed)] = float(np.mean([a for a in accuracy if a is not None]))
+            known = [a for a in accuracy if a is not None]
+            if known:  # unseen clients without test samples have no accuracy
+                out[(job.algorithm, seed)] = float(np.mean(known))
             _record_warnings(run_dir, config.rounds, health.same_model(chosen, LABEL_FREE))
     return out
 
