@@ -296,45 +296,49 @@ def scenario_rows(
         for key, acc in unseen_accuracy(run_dir, config, unseen).items():
             values[key]["unseen"] = acc
     methods = list(dict.fromkeys(m for m, _ in values))
-    per_seed = {
-        m: {s: v for (mm, s), v in values.items() if mm == m and v["accuracy"] is not None}
-        for m in methods
-    }
-    means = {m: np.mean([v["accuracy"] for v in per_seed[m].values()]) for m in per_seed}
-    best = max((m for m in methods if per_seed[m]), key=lambda m: means[m])
-    rows = []
-    for m in methods:
-        seeds = sorted(per_seed[m])
-        accuracy = [float(per_seed[m][s]["accuracy"]) for s in seeds]  # type: ignore[arg-type]
-        ci = mean_ci(accuracy) if accuracy else None
-        common = sorted(set(seeds) & set(per_seed[best]))
-        p = None
-        if m != best and len(common) >= 2:
-            test = paired_test(
-                m,
-                [float(per_seed[m][s]["accuracy"]) for s in common],  # type: ignore[arg-type]
-                best,
-                [float(per_seed[best][s]["accuracy"]) for s in common],  # type: ignore[arg-type]
-            )
+    accuracy: dict[str, dict[int, float]] = {m: {} for m in methods}
+    for (m, seed), v in values.items():
+        if v["accuracy"] is not None:
+            accuracy[m][seed] = float(v["accuracy"])
+    scored = [m for m in methods if accuracy[m]]
+    best = max(scored, key=lambda m: float(np.mean(list(accuracy[m].values())))) if scored else None
+    return [_row(name, m, accuracy, best, values) for m in methods]
+
+
+def _row(
+    scenario: str,
+    method: str,
+    accuracy: dict[str, dict[int, float]],
+    best: str | None,
+    values: dict[tuple[str, int], dict[str, float | None]],
+) -> dict[str, Any]:
+    """One leaderboard row: the method's per-seed accuracies, their mean and interval, the
+    paired test against ``best`` and the other columns' means over seeds."""
+    mine = accuracy[method]
+    seeds = sorted(mine)
+    ci = mean_ci([mine[s] for s in seeds]) if seeds else None
+    p = None
+    if best is not None and method != best:
+        common = sorted(set(seeds) & set(accuracy[best]))
+        if len(common) >= 2:
+            theirs = accuracy[best]
+            test = paired_test(method, [mine[s] for s in common], best, [theirs[s] for s in common])
             p = _finite(test.t_p)
-        rows.append(
-            {
-                "scenario": name,
-                "method": m,
-                "seeds": seeds,
-                "accuracy": accuracy,
-                "mean": None if ci is None else _finite(ci.mean),
-                "ci_low": None if ci is None else _finite(ci.low),
-                "ci_high": None if ci is None else _finite(ci.high),
-                "best": m == best,
-                "p_vs_best": p,
-                **{
-                    k: _mean([values[(m, s)].get(k) for s in seeds])
-                    for k in ("worst", "ari", "megabytes", "unseen")
-                },
-            }
-        )
-    return rows
+    return {
+        "scenario": scenario,
+        "method": method,
+        "seeds": seeds,
+        "accuracy": [mine[s] for s in seeds],
+        "mean": None if ci is None else _finite(ci.mean),
+        "ci_low": None if ci is None else _finite(ci.low),
+        "ci_high": None if ci is None else _finite(ci.high),
+        "best": method == best,
+        "p_vs_best": p,
+        **{
+            k: _mean([values[(method, s)].get(k) for s in seeds])
+            for k in ("worst", "ari", "megabytes", "unseen")
+        },
+    }
 
 
 def _finite(x: float) -> float | None:
