@@ -63,6 +63,8 @@ def test_every_scenario_and_method_has_a_row(finished) -> None:
     assert json.loads((out / "leaderboard.json").read_text())["rows"] == rows
     text = (out / "leaderboard.md").read_text()
     assert "| concept" in text and "(best)" in text and (out / "report.html").is_file()
+    assert "data:image/png;base64," in (out / "report.html").read_text()
+    assert (out / "plots" / "leaderboard.png").is_file()
 
 
 def test_means_intervals_and_paired_tests_follow_scipy(finished) -> None:

@@ -69,6 +69,7 @@ from fedcluster.experiment.client_results import read_clients
 from fedcluster.experiment.rundir import RunDirectory, event_lines
 from fedcluster.reporting.clients import WORST_FRACTION, worst_rows
 from fedcluster.reporting.document import Section
+from fedcluster.reporting.figures import _subplots, png
 from fedcluster.reporting.writers import write_html, write_markdown
 from fedcluster.stats import mean_ci, paired_test
 
@@ -373,6 +374,41 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
     ]
 
 
+def leaderboard_figure(rows: list[dict[str, Any]]) -> bytes | None:
+    """One panel per scenario: each method's mean accuracy (%) as a bar with its 95%
+    interval, the best method's bar in another colour. None without results."""
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    if not any(r["mean"] is not None for r in rows):
+        return None
+    fig, axes = _subplots(
+        1,
+        len(scenarios),
+        figsize=(2.6 * len(scenarios) + 1.5, 0.28 * len(methods) + 1.5),
+        sharey=True,
+        squeeze=False,
+        constrained_layout=True,
+    )
+    by_key = {(r["scenario"], r["method"]): r for r in rows}
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        for i, method in enumerate(methods):
+            r = by_key.get((scenario, method))
+            if r is None or r["mean"] is None:
+                continue
+            mean = 100 * r["mean"]
+            low = 0.0 if r["ci_low"] is None else mean - 100 * r["ci_low"]
+            high = 0.0 if r["ci_high"] is None else 100 * r["ci_high"] - mean
+            colour = "tab:orange" if r["best"] else "tab:blue"
+            ax.barh(i, mean, xerr=[[low], [high]], color=colour, capsize=2)
+        ax.set_title(scenario, fontsize="small")
+        ax.set_xlabel("accuracy %")
+        ax.set_xlim(0, 100)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].set_yticks(range(len(methods)), methods, fontsize="small")
+    axes[0][0].invert_yaxis()
+    return png(fig)
+
+
 def write_leaderboard(out: Path, name: str, rows: list[dict[str, Any]]) -> BenchmarkResult:
     """``leaderboard.json``, ``leaderboard.md`` and ``report.html`` of ``rows`` under ``out``."""
     safefiles.write_atomic(
@@ -386,7 +422,9 @@ def write_leaderboard(out: Path, name: str, rows: list[dict[str, Any]]) -> Bench
         "accuracy of the worst tenth of clients at the last evaluation; ARI: the clusters "
         "against the ground-truth groups; MB: bytes sent both ways; unseen: accuracy of the "
         "clients never trained, each with the model of lowest prediction entropy on its data. "
-        "Each a mean over seeds.",
+        "Each a mean over seeds. The figure: the mean accuracy with its interval, the "
+        "scenario's best method in orange.",
+        image=leaderboard_figure(rows),
         tables=[("", table_rows(rows))],
     )
     title = f"fedcluster benchmark: {name}"
