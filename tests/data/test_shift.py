@@ -187,3 +187,44 @@ def test_bad_shift_settings_are_one_line_errors() -> None:
         _shifted(ShiftConfig(kind="label", groups=2, labels_per_group=5))
     with pytest.raises(ConfigError, match="data.shift"):
         resolve_config(sets=["data.shift={kind: sideways}"])
+
+
+def test_a_base_partitions_groups_combine_with_the_shift_groups() -> None:
+    data = _dataset()
+    rng = np.random.default_rng(1)
+    y_train, y_test = data.train.y.numpy(), data.test.y.numpy()
+    base = make_partition(
+        "rotation", y_train, y_test, rng, n_groups=2, base_options={"n_clients": 8}
+    )
+    spec = ShiftConfig(kind="feature", groups=2, transform="contrast")
+    plan = plan_shift(spec, base.groups, base.n_clients, N_CLASSES, 1, rng)
+    assert plan.feature is not None and base.groups is not None
+    pairs = list(zip(base.groups.tolist(), plan.feature.tolist(), strict=True))
+    # one truth per (base group, shift group) pair, and each pair present (stratified dealing)
+    assert len(set(pairs)) == 4 and len(set(plan.truth.tolist())) == 4
+    for a, b in zip(pairs, plan.truth.tolist(), strict=True):
+        assert all((p == a) == (t == b) for p, t in zip(pairs, plan.truth.tolist(), strict=True))
+    # the base's rotations stay; the mixture's truth is the concept alone
+    part = shift_partition(base, y_train, y_test, plan, rng)
+    assert np.array_equal(part.rotations, base.rotations)
+    mixture = plan_shift(ShiftConfig(kind="mixture", groups=2), base.groups, 8, N_CLASSES, 1, rng)
+    assert np.array_equal(mixture.truth, mixture.concept)
+
+
+def test_a_feature_rotation_adds_to_the_base_partitions_rotation() -> None:
+    data = _dataset()
+    rng = np.random.default_rng(2)
+    y_train, y_test = data.train.y.numpy(), data.test.y.numpy()
+    base = make_partition(
+        "rotation", y_train, y_test, rng, angles=[0, 90], base_options={"n_clients": 8}
+    )
+    plan = plan_shift(ShiftConfig(kind="feature", groups=2), base.groups, 8, N_CLASSES, 1, rng)
+    part = shift_partition(base, y_train, y_test, plan, rng)
+    assert plan.feature is not None and base.rotations is not None
+    assert np.array_equal(part.rotations, (base.rotations + 180.0 * plan.feature) % 360.0)
+    fed = Partitioned(data, part, plan).federation()
+    for c in range(8):
+        x, _ = _client(fed, c)
+        x0, _ = _pool(data, base.train[c])
+        turns = int(part.rotations[c] // 90)
+        assert torch.equal(x, torch.rot90(x0, turns, dims=(-2, -1)))
