@@ -8,7 +8,7 @@ the package join by themselves) and the scenarios, each a set of config fields
 track). Each scenario is one run directory, ``<out>/<i>-<name>``, holding its
 (method, seed) jobs; a killed benchmark started again with the same ``--out``
 resumes every job from its own checkpoint (:func:`fedcluster.experiment.runner.resume`)
-and skips the finished ones.
+and reads the finished scenarios (those with a ``summary.json``) back as they are.
 
 Two tracks besides plain training:
 
@@ -204,7 +204,8 @@ def run_benchmark(
         execution = {} if jobs is None else {"jobs": jobs}
         if (run_dir / "config.yaml").is_file():
             _check_same(run_dir, config)
-            resume(run_dir, progress=progress, execution=execution)
+            if not (run_dir / "summary.json").is_file():  # written once every job has ended
+                resume(run_dir, progress=progress, execution=execution)
         else:
             Experiment(with_execution(config, **execution)).run(run_dir, progress=progress)
         rows += scenario_rows(scenario.name, run_dir, config, scenario.unseen)

@@ -261,6 +261,12 @@ class DriftConfig(_Strict):
         None, description="swap_labels: the two labels (None: two random labels the client holds)"
     )
     alpha: float = Field(1.0, gt=0.0, description="redistribute: Dirichlet concentration")
+    regroup: dict[int, int] | None = Field(
+        None,
+        description="the ground-truth group a drifting client moves to, by its group before "
+        "the event (e.g. {0: 1, 1: 0}); purity, ARI and NMI follow it (clients of groups not "
+        "listed keep theirs)",
+    )
 
     @model_validator(mode="after")
     def _scheduled(self) -> DriftConfig:
@@ -274,6 +280,8 @@ class DriftConfig(_Strict):
             raise ValueError("clients: give client ids (>= 0) or 'random'")
         if self.labels is not None and (self.labels[0] == self.labels[1] or min(self.labels) < 0):
             raise ValueError("labels: two distinct labels >= 0")
+        if self.regroup is not None and min([*self.regroup, *self.regroup.values()], default=0) < 0:
+            raise ValueError("regroup: groups are numbered from 0")
         return self
 
     def schedule(self, last: int) -> list[int]:

@@ -23,6 +23,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,7 +43,7 @@ from fedcluster.config.schema import (
     with_execution,
 )
 from fedcluster.data.configured import build_federation_for, load_partitioned
-from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
+from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift, moved_group
 from fedcluster.data.federation import Federation
 from fedcluster.data.screen import check_given, screen_clients
 from fedcluster.engine.device import resolve_device
@@ -403,6 +404,8 @@ class Job:
         self.scenario, self.pool = dynamics
         if self.scenario.has_drift and isinstance(federation, Federation):
             federation = federation.clone()  # each job drifts its own copy of the seed's data
+        if self.scenario.regroups and federation.groups is not None:
+            federation = replace(federation, groups=federation.groups.copy())  # moved per job
         flippers = self.scenario.label_flippers()
         if len(flippers) and isinstance(federation, Federation):
             federation = flip_labels(federation, flippers)  # where they train (Flower: the node)
@@ -642,9 +645,10 @@ class Job:
         """Apply a drift event to the job's data; its description. A backend whose data
         is elsewhere (Flower: on the nodes) applies it there (its ``drift``)."""
         drift = getattr(self.backend, "drift", None)
-        if drift is not None:
-            return drift(event)
-        return apply_drift(self.backend.federation, event, self.pool)
+        federation = self.backend.federation
+        done = drift(event) if drift is not None else apply_drift(federation, event, self.pool)
+        moved = moved_group(federation.groups, event)
+        return done if moved is None else f"{done}; {moved}"
 
 
 def resume(
