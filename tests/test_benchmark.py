@@ -155,8 +155,11 @@ def test_bad_suites_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_built_in_suites_validate() -> None:
+def test_built_in_suites_validate_and_are_listed(capsys: pytest.CaptureFixture) -> None:
     assert list_suites()
+    assert main(["list", "suites"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name}  " in listed for name in list_suites())
     for name in list_suites():
         suite = load_suite(name)
         for scenario in suite.scenarios:

@@ -63,6 +63,7 @@ from fedcluster.config.schema import (
     validate_config,
     with_execution,
 )
+from fedcluster.config.suites import list_suites
 from fedcluster.errors import ConfigError
 from fedcluster.experiment import health, safefiles
 from fedcluster.experiment.client_results import read_clients
@@ -138,12 +139,6 @@ class Suite(BaseModel):
             rounds = validate_config(raw).rounds
             raw = apply_set(raw, f"scenario.joins.rounds={[rounds + 1] * scenario.unseen}")
         return validate_config(raw)
-
-
-def list_suites() -> list[str]:
-    """The built-in suites' names."""
-    files = resources.files("fedcluster.config.suites").iterdir()
-    return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml"))
 
 
 def load_suite(name_or_path: str | Path) -> Suite:

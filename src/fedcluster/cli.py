@@ -251,11 +251,13 @@ def _assign_parser(sub: argparse._SubParsersAction) -> None:
 
 def _catalog_parsers(sub: argparse._SubParsersAction) -> None:
     """``list`` and ``show``."""
-    lst = sub.add_parser("list", help="what each algorithm, dataset, partition, model, preset is")
+    lst = sub.add_parser(
+        "list", help="what each algorithm, dataset, partition, model, preset, suite is"
+    )
     lst.add_argument(
         "section",
         nargs="?",
-        choices=("algorithms", "datasets", "partitions", "models", "presets"),
+        choices=("algorithms", "datasets", "partitions", "models", "presets", "suites"),
         help="only this section",
     )
 
