@@ -17,13 +17,14 @@ Two tracks besides plain training:
   evaluates them; after training each one picks a model of the job label-free, by
   the lowest mean prediction entropy on its test data
   (:mod:`fedcluster.experiment.cluster_choice`), and its accuracy with that model is
-  reported apart -- the protocol of FLUX (Fenoglio et al., "Flux: Efficient
-  Descriptor-Driven Clustered Federated Learning under Arbitrary Distribution
-  Shifts", 2025, Sec. 5: clients unseen in training, without labels, assigned at
-  test time);
+  reported apart -- the test-time protocol of FLUX (Fenoglio et al., "FLUX:
+  Efficient Descriptor-Driven Clustered Federated Learning under Arbitrary
+  Distribution Shifts", NeurIPS 2025: clients unseen in training, without labels,
+  matched to a cluster model at test time);
 - **drift**: a scenario with ``scenario.drift`` events, clients changing their
-  distribution at given rounds as in FedDrift (Jothimurugesan et al., "Federated
-  Learning under Distributed Concept Drift", AISTATS 2023, Sec. 5).
+  distribution at given rounds, and with ``regroup`` their ground-truth group, as
+  the clients of FedDrift's experiments change concept (Jothimurugesan et al.,
+  "Federated Learning under Distributed Concept Drift", AISTATS 2023).
 
 Per (scenario, method) the table gives the final accuracy's mean over seeds and its
 95 % Student t interval (:func:`fedcluster.stats.mean_ci`), the paired t-test

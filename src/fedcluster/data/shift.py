@@ -1,10 +1,11 @@
 """Distribution shifts between client groups, on top of any dataset and partition.
 
-The four kinds of shift of FedRC (Guo, Tang and Lin, "FedRC: Tackling Diverse
-Distribution Shifts Challenge in Federated Learning by Robust Clustering", ICML
-2024, Sec. 2 and the experimental setup of Sec. 5) and of FLUX (Fenoglio et al.,
-"Flux: Efficient Descriptor-Driven Clustered Federated Learning under Arbitrary
-Distribution Shifts", 2025, Sec. 3), one per ``data.shift.kind``. The clients of a
+The four kinds of shift -- P(x), P(y), P(y|x), P(x|y) -- of FedRC (Guo, Tang and
+Lin, "FedRC: Tackling Diverse Distribution Shifts Challenge in Federated Learning by
+Robust Clustering", ICML 2024: its problem setting and experimental setup) and of
+FLUX (Fenoglio et al., "FLUX: Efficient Descriptor-Driven Clustered Federated
+Learning under Arbitrary Distribution Shifts", NeurIPS 2025), one per
+``data.shift.kind``. The clients of a
 partition are dealt into ``groups`` groups (sizes differing by at most one, within
 each group of the base partition when it has some); then, for the clients of group g:
 
@@ -24,8 +25,8 @@ each group of the base partition when it has some); then, for the clients of gro
   rotated by a multiple of 90 degrees that depends on (g, c) (all 0 for group 0);
 - ``mixture`` -- FedRC's simultaneous shifts: a label, a feature and a
   ``concept_y_given_x`` shift, each with its own independent grouping. FedRC's
-  clustering principle (Sec. 3) is that clusters should separate concepts only, so
-  the ground truth is the concept group.
+  clustering principle is that clusters should separate concepts only, so the
+  ground truth is the concept group.
 
 The ground truth (``Partition.groups``) is the shift group, combined with the base
 partition's groups where it has some (as :func:`~fedcluster.data.partitions.rotation`

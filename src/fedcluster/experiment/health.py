@@ -6,14 +6,14 @@ never per method, and each one line, logged and written to ``events.csv`` (kind
 
 - **one cluster for all clients**: after the last round a clustered method serves
   every present client from one cluster model -- it ran as FedAvg (CFL's split never
-  came, IFCA's clusters collapsed, ...). Sattler et al., "Clustered Federated
-  Learning", IEEE TNNLS 2021, Sec. III: without a split, CFL *is* FedAvg.
+  came, IFCA's clusters collapsed, ...): without a split, CFL (Sattler et al.,
+  "Clustered Federated Learning", IEEE TNNLS 2021) is FedAvg.
 - **a near tie in the automatic choice of K**: the silhouette of the chosen K
   exceeds the runner-up's by less than :data:`NEAR_TIE` (e.g. 0.0811 against 0.0809):
   the curve does not tell the Ks apart, and the seed decides (Rousseeuw,
   "Silhouettes: a graphical aid to the interpretation and validation of cluster
-  analysis", J. Comput. Appl. Math. 20, 1987, Sec. 3: an average silhouette near 0
-  means no substantial structure was found).
+  analysis", J. Comput. Appl. Math. 20, 1987: the average silhouette width is the
+  criterion, and close widths mean equally good -- or equally poor -- partitions).
 - **a label-free rule that gives every device the same model**: among several
   devices (not all of one known group) and several cluster models, the rule
   (prediction entropy or confidence, :mod:`fedcluster.experiment.cluster_choice`)
