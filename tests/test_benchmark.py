@@ -136,6 +136,13 @@ def test_all_methods_means_every_registered_algorithm() -> None:
     config = suite.config_for(suite.scenarios[0])
     assert [a.name for a in config.algorithms] == suite.method_names()
     assert config.scenario.joins.rounds == [4, 4]
+    # a preset's sections are completed, not replaced, by the suite's config
+    on_preset = Suite.model_validate(
+        {**SUITE, "preset": "rotation", "config": {"train": {"lr": 0.2}}}
+    )
+    merged = on_preset.config_for(on_preset.scenarios[1])
+    assert merged.train.lr == 0.2 and merged.train.batch_size == 32  # the preset's
+    assert merged.data.dataset == "mnist" and merged.data.shift is not None
 
 
 def test_bad_suites_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

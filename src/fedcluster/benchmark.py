@@ -58,6 +58,7 @@ from fedcluster.config.schema import (
     RECORD_KEY,
     ExperimentConfig,
     apply_set,
+    deep_merge,
     describe_error,
     load_preset,
     load_yaml,
@@ -130,7 +131,7 @@ class Suite(BaseModel):
     def config_for(self, scenario: ScenarioSpec) -> ExperimentConfig:
         """The validated config of one scenario: base, scenario fields, methods, unseen."""
         raw: dict[str, Any] = load_preset(self.preset) if self.preset else {}
-        raw = {**raw, **self.config, "name": f"{self.name}-{scenario.name}"}
+        raw = {**deep_merge(raw, self.config), "name": f"{self.name}-{scenario.name}"}
         raw["algorithms"] = [
             {"name": n, "label": n, "params": self.params.get(n, {})} for n in self.method_names()
         ]
