@@ -76,7 +76,7 @@ LAYERS: list[set[str]] = [
     {"algorithms"},
     {"experiment"},
     {"reporting", "flower"},
-    {"sweeps", "reproduce"},
+    {"sweeps", "reproduce", "benchmark"},
     {"cli", "api", "__init__"},
     {"__main__"},
 ]

@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _resume_parser(sub)
     _report_parser(sub)
     _assign_parser(sub)
+    _benchmark_parser(sub)
     _catalog_parsers(sub)
     _flower_parsers(sub)
     ver = sub.add_parser("verify", help="check local dataset files against pinned SHA-256 sums")
@@ -170,6 +171,23 @@ def _run_parsers(sub: argparse._SubParsersAction) -> None:
     _algorithms_flag(compare, required=True)
     _sweep_flags(compare)
     compare.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
+
+
+def _benchmark_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "benchmark",
+        help="every method on every scenario of a suite over seeds: one leaderboard "
+        "(fedcluster.benchmark)",
+    )
+    bench.add_argument("suite", help="a suite YAML file or a built-in suite's name")
+    bench.add_argument(
+        "--out", help="benchmark directory (default runs/<suite>); run again to resume"
+    )
+    bench.add_argument(
+        "--methods", help="comma-separated methods instead of the suite's (default: its methods)"
+    )
+    bench.add_argument("--quiet", action="store_true")
+    _jobs_flag(bench)
 
 
 def _resume_parser(sub: argparse._SubParsersAction) -> None:
@@ -233,11 +251,13 @@ def _assign_parser(sub: argparse._SubParsersAction) -> None:
 
 def _catalog_parsers(sub: argparse._SubParsersAction) -> None:
     """``list`` and ``show``."""
-    lst = sub.add_parser("list", help="what each algorithm, dataset, partition, model, preset is")
+    lst = sub.add_parser(
+        "list", help="what each algorithm, dataset, partition, model, preset, suite is"
+    )
     lst.add_argument(
         "section",
         nargs="?",
-        choices=("algorithms", "datasets", "partitions", "models", "presets"),
+        choices=("algorithms", "datasets", "partitions", "models", "presets", "suites"),
         help="only this section",
     )
 
@@ -574,6 +594,20 @@ def _terminated(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _benchmark(args: argparse.Namespace) -> int:
+    """``fedcluster benchmark SUITE``: run or resume the suite, print the leaderboard."""
+    from fedcluster.benchmark import load_suite, run_benchmark
+
+    suite = load_suite(args.suite)
+    if args.methods:
+        suite = suite.model_copy(update={"methods": [m.strip() for m in args.methods.split(",")]})
+    out = Path(args.out or f"runs/{suite.name}")
+    result = run_benchmark(suite, out, jobs=args.jobs, progress=not args.quiet)
+    print(result.table())
+    print(f"report: {result.report}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``fedcluster`` command; its exit status. Ctrl-C or SIGTERM at any moment of
     it (also while torch is imported and the config read) ends with one line, status 130."""
@@ -609,6 +643,8 @@ def _main(argv: list[str] | None) -> int:
             return _report_command(args)
         if args.command == "assign":
             return _assign(args)
+        if args.command == "benchmark":
+            return _benchmark(args)
         if args.command == "list":
             return _list(args)
         if args.command == "show":

@@ -112,7 +112,8 @@ def test_preset_builds_ifcas_reference_federation_on_real_mnist(shared_data_dir)
     assert cfg.rounds == 300 and cfg.train.steps == 10 and cfg.train.batch_size == 100
     assert cfg.train.lr == 0.1 and cfg.evaluation.model_choice == "own_loss"
     assert [a.name for a in cfg.algorithms] == ["ifca", "fedavg", "local"]
-    ds, p = load_partitioned(cfg, 0)
+    data = load_partitioned(cfg, 0)
+    ds, p = data.dataset, data.partition
     assert len(ds.train.y) == 60000 and len(ds.test.y) == 10000
     assert p.n_clients == 2400
     _check_ifca_layout(p, 60000, 10000, groups=4, t=100)

@@ -232,6 +232,21 @@ def test_the_choice_on_the_device_is_one_message_per_node_and_round(tmp_path):
     assert asked == per_round * rounds * len(config.algorithms)
 
 
+def test_a_client_moved_to_another_group_by_drift_is_moved_on_flower_too(tmp_path):
+    """scenario.drift.regroup: the server moves the client's ground truth on both backends,
+    so purity, ARI and the clients' groups agree (the nodes never see it)."""
+    drift = [{"kind": "rotate", "rounds": [2], "clients": [0, 1], "angle": 180.0,
+              "regroup": {0: 1, 1: 0}}]  # fmt: skip
+    config = _config([{"name": "ifca", "params": SMALL["ifca"]}], rounds=3,
+                     scenario={"drift": drift})  # fmt: skip
+    nodes, _ = _nodes(config, tmp_path, 2)
+    _flower_run(config, LocalGrid(nodes), tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    moved = [e for e in _rows(tmp_path / "flower" / "events.csv") if e["kind"] == "drift"]
+    assert len(moved) == 2 and all(" -> " in e["detail"] for e in moved)
+
+
 def test_drift_is_applied_by_each_node_to_its_own_clients(tmp_path):
     """scenario.drift on the nodes: rotations (drawn and given angles) and label swaps
     (drawn and given labels) at the start of their rounds, each job from the data as

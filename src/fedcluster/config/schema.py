@@ -59,6 +59,34 @@ GIVEN_HELP = (
 )
 
 
+ShiftKind = Literal["feature", "label", "concept_y_given_x", "concept_x_given_y", "mixture"]
+FeatureTransform = Literal["rotate", "contrast", "colour"]
+
+
+class ShiftConfig(_Strict):
+    """A distribution shift between client groups, on top of any dataset and partition
+    (:mod:`fedcluster.data.shift`)."""
+
+    kind: ShiftKind = Field(
+        description="feature: P(x); label: P(y); concept_y_given_x: P(y|x) (a label "
+        "permutation per group); concept_x_given_y: P(x|y) (a rotation per group and class); "
+        "mixture: label, feature and concept_y_given_x shifts at once, the concept groups "
+        "being the ground truth (FedRC)"
+    )
+    groups: int = Field(4, ge=2, le=limits.MAX_COUNT, description="number of shift groups")
+    transform: FeatureTransform = Field(
+        "rotate",
+        description="feature shift: rotate (360·g/K degrees), contrast (factor 1/(g+1)) or "
+        "colour (a permutation of the channels per group)",
+    )
+    alpha: float = Field(
+        1.0, gt=0.0, description="label shift: each group's class weights ~ Dirichlet(alpha)"
+    )
+    labels_per_group: int | None = Field(
+        None, ge=1, description="label shift: each group keeps this many classes (then no alpha)"
+    )
+
+
 class DataConfig(_Strict):
     dataset: str = "mnist5k"
     options: dict[str, Any] = Field(default_factory=dict)
@@ -71,6 +99,9 @@ class DataConfig(_Strict):
         "Federation (then dataset and partition do not apply)",
     )
     given: str | None = Field(None, description=GIVEN_HELP)
+    shift: ShiftConfig | None = Field(
+        None, description="a distribution shift between client groups (fedcluster.data.shift)"
+    )
     bad_clients: Literal["exclude", "refuse"] = Field(
         "exclude",
         description="a client whose data is non-finite, out of range or empty: left out "
@@ -231,6 +262,12 @@ class DriftConfig(_Strict):
         None, description="swap_labels: the two labels (None: two random labels the client holds)"
     )
     alpha: float = Field(1.0, gt=0.0, description="redistribute: Dirichlet concentration")
+    regroup: dict[int, int] | None = Field(
+        None,
+        description="the ground-truth group a drifting client moves to, by its group before "
+        "the event (e.g. {0: 1, 1: 0}); purity, ARI and NMI follow it (clients of groups not "
+        "listed keep theirs)",
+    )
 
     @model_validator(mode="after")
     def _scheduled(self) -> DriftConfig:
@@ -244,6 +281,8 @@ class DriftConfig(_Strict):
             raise ValueError("clients: give client ids (>= 0) or 'random'")
         if self.labels is not None and (self.labels[0] == self.labels[1] or min(self.labels) < 0):
             raise ValueError("labels: two distinct labels >= 0")
+        if self.regroup is not None and min([*self.regroup, *self.regroup.values()], default=0) < 0:
+            raise ValueError("regroup: groups are numbered from 0")
         return self
 
     def schedule(self, last: int) -> list[int]:

@@ -53,6 +53,9 @@ class DriftEvent:
     angle: float | None = None
     labels: tuple[int, int] | None = None
     alpha: float = 1.0
+    regroup: tuple[tuple[int, int], ...] = ()
+    """(group before, group after) pairs: the client's ground truth after the event, kept
+    by the server (:meth:`moved_group`); the client's data does not depend on it."""
 
     def rng(self) -> np.random.Generator:
         return np.random.Generator(np.random.PCG64(self.seed))
@@ -69,6 +72,21 @@ class DriftPool:
 def _angle(event: DriftEvent) -> float:
     """A rotation's angle: the configured one, else uniform in [0, 360) from the event's seed."""
     return float(event.rng().uniform(0.0, 360.0)) if event.angle is None else float(event.angle)
+
+
+def moved_group(groups: np.ndarray | None, event: DriftEvent) -> str | None:
+    """Move the event's client to its new ground-truth group in ``groups``, in place, as
+    ``event.regroup`` says; a description of the move (None: no move)."""
+    if not event.regroup:
+        return None
+    if groups is None:
+        raise ConfigError("scenario.drift.regroup: the federation has no ground-truth groups")
+    before = int(groups[event.client])
+    after = dict(event.regroup).get(before)
+    if after is None or after == before:
+        return None
+    groups[event.client] = after
+    return f"group {before} -> {after}"
 
 
 def planned_detail(event: DriftEvent) -> str | None:

@@ -23,9 +23,11 @@ __all__ = [
     "AUGMENTATIONS",
     "NORMALISATIONS",
     "normalise_images",
+    "permute_channels",
     "random_crop_flip",
     "relabel",
     "rotate_images",
+    "scale_contrast",
 ]
 
 NORMALISATIONS = ("channel", "image", "none")
@@ -72,6 +74,26 @@ def rotate_images(x: torch.Tensor, degrees: float) -> torch.Tensor:
     grid = F.affine_grid(affine.expand(n, 2, 3), list(source.shape), align_corners=False)
     out = F.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return out if x.is_floating_point() else out.round().to(x.dtype)
+
+
+def scale_contrast(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Each image of ``x`` [N, ...] moved towards (``factor`` < 1) or away from its own mean
+    pixel value: ``m + factor · (x − m)``, ``m`` the image's mean over all its pixels."""
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"scale_contrast: factor must be positive and finite, got {factor}")
+    mean = x.reshape(len(x), -1).mean(dim=1).view(-1, *([1] * (x.ndim - 1)))
+    return mean + factor * (x - mean)
+
+
+def permute_channels(x: torch.Tensor, order: np.ndarray | list[int]) -> torch.Tensor:
+    """Images ``x`` [N, C, H, W] with their colour channels in ``order`` (channel c of the
+    result is channel ``order[c]`` of ``x``)."""
+    if x.ndim != 4 or sorted(int(c) for c in order) != list(range(x.shape[1])):
+        raise ValueError(
+            f"permute_channels: need images [N, C, H, W] and a permutation of their {x.shape[1]} "
+            f"channels, got shape {tuple(x.shape)} and {list(order)}"
+        )
+    return x[:, torch.as_tensor(np.asarray(order, dtype=np.int64))]
 
 
 def relabel(y: torch.Tensor, label_map: np.ndarray | torch.Tensor) -> torch.Tensor:

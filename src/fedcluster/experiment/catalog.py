@@ -121,9 +121,14 @@ def params_lines(model: type[BaseModel]) -> list[str]:
     return out
 
 
-def preset_description(name: str) -> str:
-    """The first sentence of a preset's header comment."""
-    text = (resources.files("fedcluster.config.presets") / f"{name}.yaml").read_text()
+SUITES = "fedcluster.config.suites"
+"""The package of the built-in benchmark suites."""
+
+
+def preset_description(name: str, package: str = "fedcluster.config.presets") -> str:
+    """The first sentence of the header comment of a preset (or of a suite: ``package``
+    ``fedcluster.config.suites``)."""
+    text = (resources.files(package) / f"{name}.yaml").read_text()
     lines = []
     for line in text.splitlines():
         if not line.startswith("#"):
@@ -163,6 +168,7 @@ def sections() -> dict[str, list[tuple[str, str, list[str]]]]:
     """Section -> ``(name, description, detail lines)`` for every registered entry."""
     from fedcluster.algorithms import ALGORITHMS as REGISTERED
     from fedcluster.config.schema import list_presets
+    from fedcluster.config.suites import list_suites
     from fedcluster.data.natural import NATURAL
     from fedcluster.data.partitions import PARTITIONS as REGISTERED_PARTITIONS
     from fedcluster.data.sources import list_datasets
@@ -184,6 +190,7 @@ def sections() -> dict[str, list[tuple[str, str, list[str]]]]:
         + _plugins("partition"),
         "models": [(n, describe(MODELS, n), []) for n in sorted(REGISTERED_MODELS)],
         "presets": [(n, preset_description(n), []) for n in list_presets()],
+        "suites": [(n, preset_description(n, SUITES), []) for n in list_suites()],
     }
 
 

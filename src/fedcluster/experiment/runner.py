@@ -23,6 +23,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,14 +43,15 @@ from fedcluster.config.schema import (
     with_execution,
 )
 from fedcluster.data.configured import build_federation_for, load_partitioned
-from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift
-from fedcluster.data.federation import Federation, build_federation
+from fedcluster.data.drift import DriftEvent, DriftPool, apply_drift, moved_group
+from fedcluster.data.federation import Federation
 from fedcluster.data.screen import check_given, screen_clients
 from fedcluster.engine.device import resolve_device
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.engine.modes import LossFn, resolve_loss
 from fedcluster.engine.simulator import Simulator
 from fedcluster.errors import ConfigError, FedclusterError
+from fedcluster.experiment import health
 from fedcluster.experiment.callbacks import Callback, JobInfo, RunInfo
 from fedcluster.experiment.capacity import check_batch_plans, check_cluster_counts
 from fedcluster.experiment.client_results import client_records
@@ -208,10 +210,10 @@ class Experiment:
                 "scenario.drift: 'redistribute' redraws samples from the config's dataset; "
                 "it is not available for a federation passed in directly"
             )
-        dataset, partition = load_partitioned(self.config, seed)
+        data = load_partitioned(self.config, seed)
         # the pool follows the partition's client numbering: a bad client refuses the run
-        federation = screen_clients(build_federation(dataset, partition), "refuse")
-        return federation, DriftPool(dataset, partition)
+        federation = screen_clients(data.federation(), "refuse")
+        return federation, DriftPool(data.dataset, data.partition)
 
     def model(self, federation: FederationView) -> nn.Module:
         if self._model is not None:
@@ -406,6 +408,8 @@ class Job:
         self.scenario, self.pool = dynamics
         if self.scenario.has_drift and isinstance(federation, Federation):
             federation = federation.clone()  # each job drifts its own copy of the seed's data
+        if self.scenario.regroups and federation.groups is not None:
+            federation = replace(federation, groups=federation.groups.copy())  # moved per job
         flippers = self.scenario.label_flippers()
         if len(flippers) and isinstance(federation, Federation):
             federation = flip_labels(federation, flippers)  # where they train (Flower: the node)
@@ -438,6 +442,7 @@ class Job:
             self._build(None)
         self.info = JobInfo(run, spec.display_name(), seed, privacy=self.privacy or self.central)
         self._keep_traffic = False  # init_state's traffic, kept for the first round
+        self._warnings: list[tuple[int, str, str]] = []  # the K choice's, for round 1
         self.info.groups = federation.groups
 
     def run(
@@ -493,7 +498,14 @@ class Job:
         k, curve = select_k(self.ctx, self.auto, np.flatnonzero(self.channel.available))
         rundir.save_k_curve(label, seed, self.auto.field, curve, k)
         log.info("%s seed %d: %s = %d (silhouette %s)", label, seed, self.auto.field, k, curve)
+        self._warn(health.near_tie(curve, k))
         self._build(k)
+
+    def _warn(self, line: str | None) -> None:
+        """Log a warning of :mod:`fedcluster.experiment.health` and keep it for ``events.csv``."""
+        if line is not None:
+            log.warning("%s seed %d: %s", self.info.label, self.info.seed, line)
+            self._warnings.append((health.NO_CLIENT, health.WARNING, line))
 
     def checkpointed(self, rundir: RunDirectory) -> tuple[Checkpoint, State] | None:
         """The job's checkpoint in ``rundir`` and the server state it holds, checked
@@ -598,7 +610,10 @@ class Job:
                 accuracy=math.nan, accuracy_mean=math.nan, accuracy_std=math.nan, test_loss=math.nan
             )
         row["eval_seconds"] = time.perf_counter() - t1
-        info.events = events + channel.events + self._end_round(rnd)
+        if assign is not None and rnd == cfg.rounds:
+            self._warn(health.one_cluster(assign, channel.present))
+        info.events = events + channel.events + self._end_round(rnd) + self._warnings
+        self._warnings = []
         info.clusters = assign
         info.diagnostics = {**({} if out is None else out.diagnostics), **honest}
         return row, state
@@ -634,11 +649,14 @@ class Job:
         """Apply a drift event to the job's data; its description. A backend whose data
         is elsewhere (Flower: on the nodes) applies it there (its ``drift``)."""
         drift = getattr(self.backend, "drift", None)
-        if drift is not None:
-            return drift(event)
         federation = self.backend.federation
-        assert isinstance(federation, Federation)  # a backend without drift holds the data
-        return apply_drift(federation, event, self.pool)
+        if drift is not None:
+            done = drift(event)
+        else:
+            assert isinstance(federation, Federation)  # a backend without drift holds the data
+            done = apply_drift(federation, event, self.pool)
+        moved = moved_group(federation.groups, event)
+        return done if moved is None else f"{done}; {moved}"
 
 
 def resume(

@@ -91,6 +91,11 @@ class Scenario:
     def has_drift(self) -> bool:
         return bool(self._drift)
 
+    @property
+    def regroups(self) -> bool:
+        """Whether a drift event moves its client to another ground-truth group."""
+        return any(e.regroup for events in self._drift.values() for e in events)
+
     def present(self, rnd: int) -> np.ndarray:
         """Mask of the clients that have joined by round ``rnd`` and not left."""
         return (self.join_round <= rnd) & (rnd < self.leave_round)
@@ -168,6 +173,7 @@ class Scenario:
                     angle=entry.angle,
                     labels=entry.labels,
                     alpha=entry.alpha,
+                    regroup=tuple(sorted((entry.regroup or {}).items())),
                 )
                 for c in clients
             ]

@@ -273,7 +273,10 @@ def encode_drift(events: Mapping[int, Sequence[DriftEvent]]) -> str:
     far, in order) as one ConfigRecord string."""
     return json.dumps(
         {
-            str(c): [{k: v for k, v in asdict(e).items() if k != "client"} for e in client_events]
+            str(c): [
+                {k: v for k, v in asdict(e).items() if k not in ("client", "regroup")}
+                for e in client_events
+            ]
             for c, client_events in events.items()
         }
     )

@@ -56,6 +56,13 @@ def group_accuracy(final: pd.DataFrame) -> list[dict[str, str]]:
     return rows
 
 
+def worst_rows(job: pd.DataFrame, fraction: float = WORST_FRACTION) -> pd.DataFrame:
+    """One job's rows of its worst ``fraction`` of tested clients (at least one), lowest
+    accuracy first (ties by client id)."""
+    ranked = job[job["samples"] > 0].sort_values(["accuracy", "client"])
+    return ranked.iloc[: max(1, math.ceil(fraction * len(ranked)))]
+
+
 def worst_clients(final: pd.DataFrame, fraction: float = WORST_FRACTION) -> list[dict[str, str]]:
     """Per algorithm: the mean accuracy (%) of the worst ``fraction`` of clients (at least
     one), the lowest client accuracy and the mean over all clients, each averaged over
@@ -65,13 +72,11 @@ def worst_clients(final: pd.DataFrame, fraction: float = WORST_FRACTION) -> list
     for algorithm, mine in tested.groupby("algorithm", sort=False):
         worst, lowest, mean, names = [], [], [], ""
         for seed, job in mine.groupby("seed"):
-            ranked = job.sort_values(["accuracy", "client"])
-            k = max(1, math.ceil(fraction * len(ranked)))
-            worst.append(ranked["accuracy"].iloc[:k].mean())
-            lowest.append(ranked["accuracy"].iloc[0])
-            mean.append(ranked["accuracy"].mean())
+            shown = worst_rows(job, fraction)
+            worst.append(shown["accuracy"].mean())
+            lowest.append(shown["accuracy"].iloc[0])
+            mean.append(job["accuracy"].mean())
             if not names:
-                shown = ranked.iloc[:k]
                 pairs = zip(shown.client, shown.accuracy, strict=True)
                 listed = (f"{c} ({100 * a:.0f}%)" for c, a in pairs)
                 names = ", ".join(listed) + f" (seed {seed})"
