@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -409,7 +409,8 @@ class Job:
         if self.scenario.has_drift and isinstance(federation, Federation):
             federation = federation.clone()  # each job drifts its own copy of the seed's data
         if self.scenario.regroups and federation.groups is not None:
-            federation = replace(federation, groups=federation.groups.copy())  # moved per job
+            # moved per job; both views (Federation, Flower's FederationInfo) are dataclasses
+            federation = replace(cast(Any, federation), groups=federation.groups.copy())
         flippers = self.scenario.label_flippers()
         if len(flippers) and isinstance(federation, Federation):
             federation = flip_labels(federation, flippers)  # where they train (Flower: the node)
