@@ -102,6 +102,9 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
         ],
         "fedem-evaluate": [Request(shared={"components": rows}, own={"weights": weights})],
         "pacfl-subspace": [Request(settings=pacfl)],
+        "flux-descriptor": [
+            Request(shared={"model": rows[0]}, settings={"n_classes": fed.n_classes, "latent": 8})
+        ],
     }
 
 
