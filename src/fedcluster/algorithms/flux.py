@@ -1,12 +1,12 @@
 """FLUX: Fenoglio, Li, Barbiero, Lane, Langheinrich, Gjoreski, "FLUX: Efficient
 Descriptor-Driven Clustered Federated Learning under Arbitrary Distribution Shifts",
-NeurIPS 2025 (Sec. 3, descriptor extraction, density-based clustering and test-time
-assignment; reference code github.com/dariofenoglio98/FLUX).
+NeurIPS 2025 (the method: descriptor extraction, density-based clustering and
+test-time assignment; reference code github.com/dariofenoglio98/FLUX).
 
 1. ``pretrain_rounds`` of FedAvg give a shared encoder (the model without its last
    layer);
 2. every reachable client uploads a compact descriptor of its training data in that
-   encoder's latent space z (Sec. 3, descriptor extraction): the marginal moments of
+   encoder's latent space z (descriptor extraction): the marginal moments of
    z (per-feature mean μ and standard deviation σ, which capture P(X)), its label
    histogram P(Y), and the class-conditional means μ_c of z (P(X|Y), P(Y|X)); a label
    the client lacks is a zero row. The Euclidean distance between the marginal parts
@@ -20,14 +20,20 @@ assignment; reference code github.com/dariofenoglio98/FLUX).
    leaves as noise joins the cluster of the nearest centroid;
 4. every round, each cluster runs FedAvg with its members among the selected clients,
    every cluster model starting from the pre-trained model;
-5. test-time assignment (Sec. 3, test-time adaptation): an unseen client, labels
+5. test-time assignment (the paper's test-time adaptation): an unseen client, labels
    unknown, is placed by the label-free part of its descriptor (μ, σ) at the nearest
    cluster centroid of that part (:meth:`FLUX.place_newcomers`, also used for clients
    that join after the clustering round).
 
-The paper leaves the radius rule open; the nearest-neighbour median is this module's
-choice. If every client lands in one cluster while ``n_clients`` ≥ 2·``min_samples``,
-the run warns: the descriptors showed no cluster structure at that radius.
+What was read of the authors' material is their README (descriptors of marginal and
+class-conditional moments that approximate the 2-Wasserstein distance, adaptive
+density-based clustering, label-free test-time assignment); the exact radius rule, any
+weighting of the descriptor's parts and the encoder's training were not read, so the
+nearest-neighbour median radius, the unweighted Euclidean distance and the FedAvg
+pre-training are this module's choices.
+
+If every client lands in one cluster while at least 2·``min_samples`` clients were
+described, the run warns: the descriptors showed no cluster structure at that radius.
 
 Local DP: the descriptor is a direct function of the data and is *released* under
 client-level local DP like PACFL's subspace (clipped, Gaussian noise where the client
@@ -153,8 +159,8 @@ DESCRIPTOR = register_computation(
         release=vector_release("descriptor", "flux"),
     )
 )
-"""FLUX's client computation (Sec. 3): the descriptor of the client's training data in
-the latent space of the received model."""
+"""FLUX's client computation (descriptor extraction): the descriptor of the client's
+training data in the latent space of the received model."""
 
 
 class FLUXParams(OneShotParams):
