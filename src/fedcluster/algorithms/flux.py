@@ -42,6 +42,7 @@ is).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -78,18 +79,24 @@ def encode(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return encoder(x).reshape(len(x), -1)
 
 
+def marginal_moments(z: torch.Tensor) -> torch.Tensor:
+    """The label-free part of a descriptor (float64 [2h]): the mean and standard deviation
+    (1/n) of the latent features ``z`` [n, h] (zeros for no sample)."""
+    z = z.double()
+    if not len(z):
+        return torch.zeros(2 * z.shape[1], dtype=torch.float64)
+    return torch.cat([z.mean(dim=0), z.std(dim=0, unbiased=False)])
+
+
 def descriptor(z: torch.Tensor, y: torch.Tensor, n_classes: int) -> torch.Tensor:
     """The descriptor of latent features ``z`` [n, h] and labels ``y`` [n] (float32
     [2h + C + C·h]): mean, standard deviation (1/n), label histogram, class means."""
     z = z.double()
-    h = z.shape[1]
     counts = torch.bincount(y, minlength=n_classes).double()
-    sums = torch.zeros(n_classes, h, dtype=torch.float64).index_add_(0, y, z)
+    sums = torch.zeros(n_classes, z.shape[1], dtype=torch.float64).index_add_(0, y, z)
     class_means = sums / counts.clamp_min(1.0).unsqueeze(1)
-    std = z.std(dim=0, unbiased=False) if len(z) else torch.zeros(h, dtype=torch.float64)
-    mean = z.mean(dim=0) if len(z) else torch.zeros(h, dtype=torch.float64)
     histogram = counts / counts.sum().clamp_min(1.0)
-    return torch.cat([mean, std, histogram, class_means.reshape(-1)]).float()
+    return torch.cat([marginal_moments(z), histogram, class_means.reshape(-1)]).float()
 
 
 def adaptive_eps(distances: np.ndarray, min_samples: int, scale: float) -> float:
@@ -120,11 +127,17 @@ def dbscan(distances: np.ndarray, eps: float, min_samples: int) -> np.ndarray:
     return labels
 
 
-def nearest_centroid(points: np.ndarray, members: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """The cluster (of ``labels`` ≥ 0 over ``members``) whose centroid is nearest to each point."""
+def centroid_distances(points: np.ndarray, members: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Distances [n, K] of each point to the centroid of each cluster (``labels`` 0..K−1
+    over ``members``)."""
     k = int(labels.max()) + 1
     centroids = np.stack([members[labels == c].mean(axis=0) for c in range(k)])
-    return cdist(points, centroids).argmin(axis=1)
+    return cdist(points, centroids)
+
+
+def nearest_centroid(points: np.ndarray, members: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """The cluster whose centroid is nearest to each point (:func:`centroid_distances`)."""
+    return centroid_distances(points, members, labels).argmin(axis=1)
 
 
 def cluster_descriptors(descriptors: np.ndarray, min_samples: int, eps_scale: float) -> np.ndarray:
@@ -245,6 +258,18 @@ class FLUX(OneShotClustering[FLUXParams, FLUXState]):
             self.label_free(descriptors), self.label_free(state.descriptors), member_of
         )
         return labels
+
+    def descriptor_distances(self, state: FLUXState, x: torch.Tensor) -> np.ndarray | None:
+        """Test-time assignment of an unlabeled device (module docstring, step 5): the
+        distance of the label-free descriptor of its samples ``x`` to each cluster's
+        label-free centroid [K] (None before the clustering)."""
+        if state.descriptors is None or state.members is None or not self.clustered(state):
+            return None
+        module = copy.deepcopy(self.ctx.layout.module).cpu()
+        self.ctx.layout.load_into(module, state.global_model.cpu())
+        own = marginal_moments(encode(module, x)).float().double().numpy()[None]
+        member_of = state.assign[state.members]
+        return centroid_distances(own, self.label_free(state.descriptors), member_of)[0]
 
     def run_round(self, state: FLUXState, rnd: int, selected: np.ndarray) -> RoundOutput[FLUXState]:
         """After pre-training, the clustering round also trains (the descriptors need no
