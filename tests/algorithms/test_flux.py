@@ -101,3 +101,24 @@ def test_flux_warns_when_it_finds_one_cluster(quickstart, caplog):
         state = alg.run_round(alg.init_state(), 1, np.arange(0)).state
     assert len(state.models) == 1
     assert "one cluster for all 24 clients" in caplog.text
+
+
+def test_test_time_distances_are_those_of_the_uploaded_descriptor(quickstart):
+    """A device holding a clustered client's training data, without labels: its
+    distances to the clusters equal the client's uploaded marginal part's distances to
+    the centroids, computed directly."""
+    fed = quickstart
+    ctx = make_context(fed, hidden=[16])
+    alg = FLUX(FLUX.Params(pretrain_rounds=0), ctx)
+    ctx.channel.start_round()
+    state = alg.run_round(alg.init_state(), 1, np.arange(0)).state
+    assert state.descriptors is not None and state.members is not None
+    h = 16
+    marginal = state.descriptors[:, : 2 * h]
+    member_of = state.assign[state.members]
+    centroids = np.stack([marginal[member_of == k].mean(axis=0) for k in range(4)])
+    for row, client in enumerate(state.members[:3]):
+        got = alg.descriptor_distances(state, fed.subset([int(client)]).x_train)
+        want = np.linalg.norm(centroids - marginal[row], axis=1)
+        assert got is not None and np.allclose(got, want, atol=1e-6)
+        assert got.argmin() == state.assign[client]
