@@ -21,6 +21,7 @@ from fedcluster.algorithms.flux import (
 from fedcluster.clustering.validity import purity
 from fedcluster.config.schema import resolve_config
 from fedcluster.data.configured import build_federation_for
+from fedcluster.errors import ConfigError
 from tests.helpers import make_context
 
 
@@ -122,3 +123,10 @@ def test_test_time_distances_are_those_of_the_uploaded_descriptor(quickstart):
         want = np.linalg.norm(centroids - marginal[row], axis=1)
         assert got is not None and np.allclose(got, want, atol=1e-6)
         assert got.argmin() == state.assign[client]
+
+
+def test_a_model_without_a_linear_head_is_one_line(quickstart):
+    ctx = make_context(quickstart, hidden=[16])
+    ctx.layout.module.append(torch.nn.ReLU())  # the classifier is no longer last
+    with pytest.raises(ConfigError, match="must be an nn.Sequential ending in an nn.Linear"):
+        FLUX(FLUX.Params(), ctx)

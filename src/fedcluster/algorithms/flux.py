@@ -51,9 +51,10 @@ from pydantic import Field
 from scipy.sparse.csgraph import connected_components
 from scipy.spatial.distance import cdist
 
-from fedcluster.algorithms.base import RoundOutput, log, register
+from fedcluster.algorithms.base import Context, RoundOutput, log, register
 from fedcluster.algorithms.cflgt import OneShotClustering, OneShotParams, OneShotState
 from fedcluster.engine.client_computations import vector_release
+from fedcluster.errors import ConfigError
 from fedcluster.models import module_mode
 from fedcluster.protocol.client_side import ClientContext
 from fedcluster.protocol.computation import (
@@ -205,6 +206,15 @@ class FLUX(OneShotClustering[FLUXParams, FLUXState]):
     name = "flux"
     Params = FLUXParams
     StateType = FLUXState
+
+    def __init__(self, params: FLUXParams, ctx: Context) -> None:
+        model = ctx.layout.module
+        if not isinstance(model, torch.nn.Sequential) or not isinstance(model[-1], torch.nn.Linear):
+            raise ConfigError(
+                "flux: the model must be an nn.Sequential ending in an nn.Linear classifier "
+                f"(its encoder is the rest); got {type(model).__name__}"
+            )
+        super().__init__(params, ctx)
 
     def describe(
         self, state: FLUXState, clients: np.ndarray, rnd: int
