@@ -185,3 +185,30 @@ def test_cli_round_trip_on_a_finished_run(tmp_path, capsys):
     (out / "checkpoints" / "fedavg-seed0.pt").unlink()
     assert main(args) == 2
     assert "fedavg seed 0 has not finished (round 0 of 2)" in capsys.readouterr().err
+
+
+def test_flux_runs_offer_the_descriptor_rule(tmp_path):
+    """A device holding a client's test data, unlabelled, gets by FLUX's descriptor the
+    cluster model that client trains with (the run found the two rotation groups)."""
+    out = tmp_path / "run"
+    flux = [
+        "--set",
+        "data.partition={name: rotation, n_groups: 2, base: iid, "
+        "base_options: {n_clients: 8, test_fraction: 0.2}}",
+        "--set",
+        "algorithms=[{name: flux, params: {pretrain_rounds: 0}}]",
+    ]
+    assert main(["run", *ROTATED_DIGITS, *flux, "--out", str(out)]) == 0
+    from fedcluster.config.schema import load_yaml, validate_config
+    from fedcluster.data.configured import build_federation_for
+
+    fed = build_federation_for(validate_config(load_yaml(out / "config.yaml")), 0)
+    with open(out / "clusters.csv", newline="") as f:
+        final = [r for r in csv.DictReader(f) if r["round"] == "2"]
+    cluster = {int(r["client"]): int(r["cluster"]) for r in final}
+    assert len(set(cluster.values())) == 2
+    for client in (0, 1):
+        part = fed.subset([client])
+        got = fedcluster.assign(out, DeviceData(part.x_test), algorithms=["flux"])[0]
+        assert got.chosen["descriptor"] == cluster[client]
+        assert "loss" not in got.chosen

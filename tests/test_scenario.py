@@ -37,6 +37,7 @@ CLUSTERED = {
     "fesem": {"n_clusters": 4},
     "pacfl": {"n_clusters": 4},
     "wecfl": {"n_clusters": 4},
+    "flux": {"pretrain_rounds": 2},
 }
 
 

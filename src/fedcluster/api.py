@@ -373,8 +373,8 @@ def assign(
     """Which cluster model of the finished run ``run_dir`` a device should use for ``data``
     (:mod:`fedcluster.experiment.cluster_choice`): one
     :class:`~fedcluster.experiment.cluster_choice.Assignment`
-    per job, with each rule's choice (``entropy`` and ``confidence`` without labels;
-    ``loss`` too when there are labels) and every candidate's scores.
+    per job, with each rule's choice (``entropy`` and ``confidence`` without labels,
+    ``descriptor`` too for FLUX; ``loss`` too when there are labels) and every candidate's scores.
 
     Args:
         data: a ``.npz`` file (``x`` [N, *input shape], optionally ``y`` and ``group``),

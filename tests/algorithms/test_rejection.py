@@ -32,6 +32,7 @@ PARAMS: dict[str, dict] = {
     "flhc": {"pretrain_rounds": 1, "n_clusters": 2},
     "cflgt": {"pretrain_rounds": 1, "cluster_fraction": None},
     "pacfl": {"n_clusters": 2},
+    "flux": {"pretrain_rounds": 1},
     "wecfl": {"n_clusters": 2},
     "cflgp": {"n_clusters": 2},
     "clove": {"n_clusters": 2},

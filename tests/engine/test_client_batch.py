@@ -118,6 +118,9 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
             )
             for compare in ("parameters", "row")
         ],
+        "flux-descriptor": [
+            Request(shared={"model": rows[0]}, settings={"n_classes": fed.n_classes, "latent": 8})
+        ],
     }
 
 

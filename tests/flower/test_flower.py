@@ -29,6 +29,7 @@ SMALL = {
     "jgl": {"n_clusters": 2, "lam": 0.2},
     "cflgt": {"pretrain_rounds": 1},
     "flhc": {"pretrain_rounds": 1},
+    "flux": {"pretrain_rounds": 1},
     "cfl": {"warmup_rounds": 1},
     "fesem": {"n_clusters": 2},
     "wecfl": {"n_clusters": 2},

@@ -1,6 +1,6 @@
 """The clustered-FL methods, one module per method (FedAvg, IFCA, JGL, CFLGT,
 DCFL, FedGroup, CFL, FeSEM, FL+HC, PACFL, WeCFL, FedSoft, FedEM, FedRC, CFL-GP,
-CLoVE, FedGWC, pFedGraph, local), with
+CLoVE, FedGWC, pFedGraph, FLUX, local), with
 their shared server steps (``base``, ``cluster_models``, ``aggregation``, robust
 rules, repair, the choice of the cluster count). An algorithm reaches clients
 only through ``protocol``'s channel; the package may import ``engine`` and every
@@ -21,6 +21,7 @@ from fedcluster.algorithms import (  # noqa: F401  (registration)
     fedsoft,
     fesem,
     flhc,
+    flux,
     ifca,
     jgl,
     local,

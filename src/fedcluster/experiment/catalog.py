@@ -59,6 +59,8 @@ ALGORITHMS = {
     "vectors, groups matched to distinct models (arXiv:2506.22427, 2025)",
     "fedgwc": "FedGWC: Gaussian rewards of empirical losses build an interaction matrix; "
     "recursive spectral splits scored by Davies-Bouldin (Licciardi et al., ICML 2025)",
+    "flux": "FLUX: latent-space descriptors of each client's data, adaptive DBSCAN (automatic K), "
+    "label-free test-time assignment (Fenoglio et al., NeurIPS 2025)",
     "pfedgraph": "pFedGraph: personalised models aggregated along a collaboration graph "
     "inferred from model similarity (Ye et al., ICML 2023)",
 }

@@ -19,6 +19,11 @@ the device's samples ``x_1..x_N`` with ``p_k(x) = softmax(f_k(x))``:
   ("A Baseline for Detecting Misclassified and Out-of-Distribution Examples in
   Neural Networks", ICLR 2017): in-distribution samples get higher maximum
   probabilities than samples from another distribution.
+- ``descriptor`` (label-free, FLUX runs only): the nearest cluster centroid of the
+  label-free descriptor (latent mean and standard deviation) of the device's samples
+  (Fenoglio et al., "FLUX", NeurIPS 2025, test-time assignment;
+  :meth:`fedcluster.algorithms.flux.FLUX.descriptor_distances`); the score is the
+  distance, a model that is no cluster's (the pre-trained one) scores infinity.
 - ``loss`` (labelled, when the data has labels): the lowest mean loss with the
   run's loss function -- IFCA's cluster identity estimate, the choice the
   label-free rules are compared with.
@@ -53,6 +58,7 @@ import stat
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +79,11 @@ from fedcluster.experiment.callbacks import RunInfo
 from fedcluster.experiment.rundir import RunDirectory
 from fedcluster.experiment.summary import format_table
 
-LABEL_FREE = ("entropy", "confidence")
+LABEL_FREE = ("entropy", "confidence", "descriptor")
 """The rules that need no labels."""
 RULES = (*LABEL_FREE, "loss")
 """Every rule, the labelled one (``loss``) last."""
-HIGHER_IS_BETTER = {"entropy": False, "confidence": True, "loss": False}
+HIGHER_IS_BETTER = {"entropy": False, "confidence": True, "descriptor": False, "loss": False}
 MAX_DATA_BYTES = 2**30
 """Largest data file, and largest array inside it once decompressed (1 GiB)."""
 ASSIGN_FILE = "assign.csv"
@@ -193,6 +199,8 @@ class ClusterModels:
     input_shape: tuple[int, ...]
     n_classes: int
     float_inputs: bool
+    descriptor_distances: Callable[[torch.Tensor], np.ndarray | None] | None = None
+    """The job's distances of a device's samples to each cluster model [K] (FLUX)."""
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,6 +226,11 @@ class ClusterModels:
         check_device_data(data, self.input_shape, self.n_classes, self.float_inputs)
         logits = self.logits(data.x)
         scores = {k: v.tolist() for k, v in rule_scores(logits).items()}
+        distances = None if self.descriptor_distances is None else self.descriptor_distances(data.x)
+        if distances is not None:
+            scores["descriptor"] = [
+                float(distances[m]) if m < len(distances) else math.inf for m in self.models
+            ]
         accuracy = None
         if data.y is not None:
             y = data.y.to(torch.int64)
@@ -292,6 +305,7 @@ class FinishedRun:
                 assert found is not None
                 job.channel.set_masks(*scenario.masks(config.rounds))
                 rows, model_of_client = job.algorithm.eval_rows(found[1])
+                distances = getattr(job.algorithm, "descriptor_distances", None)
                 used = np.asarray(model_of_client)[job.channel.present]
                 models, members = np.unique(used[used >= 0], return_counts=True)
                 out.jobs.append(
@@ -306,6 +320,7 @@ class FinishedRun:
                         tuple(fed.input_shape),
                         fed.n_classes,
                         bool(fed.x_train.is_floating_point()),
+                        None if distances is None else partial(distances, found[1]),
                     )
                 )
         return out

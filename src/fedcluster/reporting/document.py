@@ -144,9 +144,9 @@ def _assign_section(runs: list[RunData]) -> Section:
         "assign",
         "Cluster choice for held-out devices",
         "fedcluster assign --record: per algorithm and true group of the devices, the "
-        "mean accuracy of the cluster model each rule chose (entropy, confidence: "
-        "without labels; loss: with labels), and how often a label-free rule chose the "
-        "labelled rule's model (fedcluster.experiment.cluster_choice).",
+        "mean accuracy of the cluster model each rule chose (entropy, confidence, "
+        "descriptor for FLUX runs: without labels; loss: with labels), and how often a "
+        "label-free rule chose the labelled rule's model (fedcluster.experiment.cluster_choice).",
         tables=choices,
     )
 
