@@ -251,6 +251,19 @@ class ClusterModels:
         )
 
 
+def _final_state(job: Any, rundir: RunDirectory, name: str, rounds: int) -> Any:
+    """The algorithm state of ``job``'s last checkpoint, which must be its last round
+    (one :class:`FedclusterError` naming the job otherwise)."""
+    found = job.checkpointed(rundir)
+    done = 0 if found is None else found[0].round
+    if found is None or done != rounds:
+        raise FedclusterError(
+            f"{name} has not finished (round {done} of {rounds}); resume it first, or pick "
+            "finished jobs with --algorithms/--seed"
+        )
+    return found[1]
+
+
 @dataclass
 class FinishedRun:
     """The cluster models of every finished job of a run directory."""
@@ -294,17 +307,9 @@ class FinishedRun:
             for spec in specs:
                 label = spec.display_name()
                 job = Job(experiment, run, spec, seed, setting, (scenario, None))
-                found = job.checkpointed(rundir)
-                done = 0 if found is None else found[0].round
-                if done != config.rounds:
-                    raise FedclusterError(
-                        f"{path}: {label} seed {seed} has not finished (round {done} of "
-                        f"{config.rounds}); resume it first, or pick finished jobs "
-                        "with --algorithms/--seed"
-                    )
-                assert found is not None
+                state = _final_state(job, rundir, f"{path}: {label} seed {seed}", config.rounds)
                 job.channel.set_masks(*scenario.masks(config.rounds))
-                rows, model_of_client = job.algorithm.eval_rows(found[1])
+                rows, model_of_client = job.algorithm.eval_rows(state)
                 distances = getattr(job.algorithm, "descriptor_distances", None)
                 used = np.asarray(model_of_client)[job.channel.present]
                 models, members = np.unique(used[used >= 0], return_counts=True)
@@ -320,7 +325,7 @@ class FinishedRun:
                         tuple(fed.input_shape),
                         fed.n_classes,
                         bool(fed.x_train.is_floating_point()),
-                        None if distances is None else partial(distances, found[1]),
+                        None if distances is None else partial(distances, state),
                     )
                 )
         return out
