@@ -89,11 +89,13 @@ def mixture_nll(losses: torch.Tensor, weights: torch.Tensor) -> float:
     return float(-log_mix.mean()) if len(losses) else float("nan")
 
 
-def _n_components(request: Request) -> tuple[int, ...]:
+def n_components_shape(request: Request) -> tuple[int, ...]:
+    """The reply shape of one weight per received component: (M,)."""
     return (request.shared["components"].shape[0],)
 
 
-def _components_shape(request: Request) -> tuple[int, ...]:
+def components_shape(request: Request) -> tuple[int, ...]:
+    """The reply shape of the M received components, trained: (M, d)."""
     return tuple(request.shared["components"].shape)
 
 
@@ -138,8 +140,8 @@ TRAIN_COMPONENTS = register_computation(
     ClientComputation(
         name="fedem-train",
         reply={
-            "components": ReplyField(_components_shape),
-            "weights": ReplyField(_n_components, counted=False),
+            "components": ReplyField(components_shape),
+            "weights": ReplyField(n_components_shape, counted=False),
             "loss": ReplyField((), counted=False, finite=False),
         },
         batched_run=_train,

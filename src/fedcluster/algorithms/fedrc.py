@@ -56,9 +56,11 @@ from fedcluster.algorithms.base import (
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.fedem import (
     aggregate_components,
+    components_shape,
     e_step,
     evaluate_mixtures,
     mixture_weights_report,
+    n_components_shape,
     train_mixture,
 )
 from fedcluster.algorithms.mixture import check_plain_sgd
@@ -106,14 +108,6 @@ def label_shares(statistics: torch.Tensor) -> torch.Tensor:
     return total / total.sum(dim=1, keepdim=True)
 
 
-def _components_shape(request: Request) -> tuple[int, ...]:
-    return tuple(request.shared["components"].shape)
-
-
-def _n_components(request: Request) -> tuple[int, ...]:
-    return (request.shared["components"].shape[0],)
-
-
 def _shares_shape(request: Request) -> tuple[int, ...]:
     return tuple(request.shared["shares"].shape)
 
@@ -138,8 +132,8 @@ TRAIN_ROBUST = register_computation(
     ClientComputation(
         name="fedrc-train",
         reply={
-            "components": ReplyField(_components_shape),
-            "weights": ReplyField(_n_components, counted=False),
+            "components": ReplyField(components_shape),
+            "weights": ReplyField(n_components_shape, counted=False),
             "label_statistics": ReplyField(_shares_shape),
             "loss": ReplyField((), counted=False, finite=False),
         },

@@ -82,7 +82,7 @@ from fedcluster.algorithms.base import (
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.clustering.distances import euclidean_distance_matrix
-from fedcluster.engine.client_computations import TRAIN
+from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range
 from fedcluster.errors import ConfigError
 from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
@@ -128,21 +128,13 @@ def _train_and_choose(batch: ClientBatch, request: Request) -> Payload:
     return {**trained, "cluster": torch.as_tensor(choice, dtype=torch.int32)}
 
 
-def _centre_in_range(request: Request, reply: Payload) -> list[str | None]:
-    k = request.shared["centres"].shape[0]
-    return [
-        None if 0 <= c < k else f"cluster id {c} outside 0..{k - 1}"
-        for c in reply["cluster"].tolist()
-    ]
-
-
 TRAIN_AND_CHOOSE = register_computation(
     replace(  # a training (its DP release, cost and update bound) that reports its E-step
         TRAIN,
         name="fesem-train-and-choose",
         reply={**TRAIN.reply, "cluster": ReplyField((), dtype=torch.int32)},
         batched_run=_train_and_choose,
-        check=_centre_in_range,
+        check=cluster_ids_in_range("centres"),
     )
 )
 """FeSEM with ``choice_on_device``: local training from the client's centre, then the

@@ -71,6 +71,7 @@ from fedcluster.engine.client_computations import (
     DECISION_EXEMPTION,
     LOSSES,
     TRAIN,
+    cluster_ids_in_range,
     n_models,
     release_trained,
 )
@@ -262,14 +263,6 @@ def _release_chosen(request: Request, reply: Payload, clients: np.ndarray, seed:
     return release_trained(request, reply, clients, seed, start)
 
 
-def _cluster_in_range(request: Request, reply: Payload) -> list[str | None]:
-    k = request.shared["models"].shape[0]
-    return [
-        None if 0 <= c < k else f"cluster id {c} outside 0..{k - 1}"
-        for c in reply["cluster"].tolist()
-    ]
-
-
 CHOOSE_AND_TRAIN = register_computation(
     replace(  # a training (its DP release, cost and update bound) that chooses its start
         TRAIN,
@@ -284,7 +277,7 @@ CHOOSE_AND_TRAIN = register_computation(
         release=_release_chosen,
         update=("row", "models"),
         start_index="cluster",
-        check=_cluster_in_range,
+        check=cluster_ids_in_range("models"),
     )
 )
 """JGL Alg. 1 on the device (``choice_on_device``): receive the K models (JGL: and

@@ -16,6 +16,8 @@ Settings (``Request.settings``): ``train`` (a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -102,6 +104,22 @@ TRAIN = register_computation(
 """Local SGD from the received start row (FedAvg's ClientUpdate; FedProx's proximal
 term, momentum, DP-SGD or classifier-only fine-tuning from the settings). Uploads
 the trained model; the loss and step count are instrumentation."""
+
+
+def cluster_ids_in_range(
+    models: str,
+) -> Callable[[Request, Payload], list[str | None]]:
+    """The check of a reply's ``cluster`` ids (one per client) against the K rows of the
+    request's shared ``models`` field: why each id is out of range, None where it is not."""
+
+    def check(request: Request, reply: Payload) -> list[str | None]:
+        k = request.shared[models].shape[0]
+        return [
+            None if 0 <= c < k else f"cluster id {c} outside 0..{k - 1}"
+            for c in reply["cluster"].tolist()
+        ]
+
+    return check
 
 
 def n_models(request: Request) -> tuple[int, ...]:
