@@ -130,7 +130,7 @@ def dp_group_steps(
                 scale[j] = 1.0 / (expected[j] if dp.poisson else max(1, size))
             return active * kernel.dp_sgd_step(
                 params,
-                training.x_flat[idx],
+                inputs.x_flat[idx],
                 inputs.federation.y_train[idx],
                 (weight > 0).to(torch.float32),
                 cfg.lr,

@@ -97,9 +97,7 @@ class RowBlocks:
             and _storage_users(kept) == 1
         ):
             stride = torch.empty(shape, device="meta").stride()  # contiguous, as set_'s default
-            return torch.empty(0, dtype=like.dtype, device=like.device).set_(
-                kept, 0, shape, stride
-            )
+            return torch.empty(0, dtype=like.dtype, device=like.device).set_(kept, 0, shape, stride)
         self._kept = None  # the old block goes once its users drop it
         out = empty_rows_like(like)
         if out.is_contiguous() and _storage_users(out.untyped_storage()) is not None:

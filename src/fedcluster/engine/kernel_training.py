@@ -84,22 +84,21 @@ class KernelTraining:
         self.group_size = group_size
         self.low = low
         fed = inputs.federation
-        self.x_flat = fed.x_train.reshape(len(fed.x_train), -1)
-        self.features = nonzero_span(self.x_flat)
+        self.features = nonzero_span(self.inputs.x_flat)
         """The input columns the kernel reads (:func:`nonzero_span`)."""
-        self.grams = GramCache(self.x_flat[:, self.features], fed.train_offsets, low=low)
+        self.grams = GramCache(self.inputs.x_flat[:, self.features], fed.train_offsets, low=low)
         self._row_blocks = RowBlocks()  # the mini-batch routes' output, reused across rounds
 
     def follow_data_changes(self, changed: np.ndarray) -> None:
         """Bring the used input features and the Gram matrices up to date after
         in-place changes of the ``changed`` clients' data (drift)."""
-        features = nonzero_span(self.x_flat)
+        features = nonzero_span(self.inputs.x_flat)
         if features == self.features:
             self.grams.invalidate(changed)
         else:
             self.features = features
             self.grams = GramCache(
-                self.x_flat[:, features], self.inputs.federation.train_offsets, low=self.low
+                self.inputs.x_flat[:, features], self.inputs.federation.train_offsets, low=self.low
             )
 
     def full_batch_steps(
@@ -202,7 +201,7 @@ class KernelTraining:
                 buffers = [(torch.zeros_like(w), torch.zeros_like(b)) for w, b in params]
             return self.kernel.sgd_step(
                 params,
-                self.x_flat[idx],
+                self.inputs.x_flat[idx],
                 self.inputs.federation.y_train[idx],
                 weight,
                 cfg.lr,

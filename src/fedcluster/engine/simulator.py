@@ -124,7 +124,9 @@ class Simulator(ClientClock):
         self._revisions = federation.revisions.copy()
         self._nonfinite = _nonfinite_clients(self._x_flat, federation.train_offsets)
         self._test_chunks: np.ndarray | None = None  # distinct test sets, on first use
-        inputs = TrainingInputs(federation, self.layout, self.loss, seed, self.client_ids, threads)
+        inputs = TrainingInputs(
+            federation, self._x_flat, self.layout, self.loss, seed, self.client_ids, threads
+        )
         self.autograd_training = AutogradTraining(inputs)
         """Client-by-client training of any model (:mod:`fedcluster.engine.autograd_training`)."""
         self.kernel_training = (

@@ -24,11 +24,13 @@ from fedcluster.rng import torch_rng
 
 @dataclass(frozen=True)
 class TrainingInputs:
-    """The packed federation, the model's flat layout and loss, the run's seed,
-    each client's id in the random streams (``client_ids[i]`` names client i)
-    and the worker threads (``None``: as many as the load allows)."""
+    """The packed federation (``x_flat``: its training inputs as rows [N, f], a view),
+    the model's flat layout and loss, the run's seed, each client's id in the random
+    streams (``client_ids[i]`` names client i) and the worker threads (``None``: as
+    many as the load allows)."""
 
     federation: Federation
+    x_flat: torch.Tensor
     layout: ParamLayout
     loss: LossFn
     seed: int

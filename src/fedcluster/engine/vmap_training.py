@@ -90,6 +90,28 @@ def _dropout_calls(
     return record
 
 
+def _group_gradients(
+    module: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """``(trained, fixed, x, y, masks) -> (gradients, losses)`` for a group of clients
+    (the leading dimension of every argument): each client's loss on its batch, the
+    dropout calls applying its ``masks``, differentiated w.r.t. its ``trained``
+    tensors; ``fixed`` holds the others (a training-mode BatchNorm updates its buffers
+    there in place)."""
+
+    def client_loss(
+        trained: dict[str, torch.Tensor],
+        fixed: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        masks: list[torch.Tensor],
+    ) -> torch.Tensor:
+        with _ReplayMasks(masks):
+            return loss(functional_call(module, trained | fixed, (x,)), y)
+
+    return vmap(grad_and_value(client_loss), randomness="error")
+
+
 def vmap_unsuitable(
     module: nn.Module,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -111,19 +133,9 @@ def vmap_unsuitable(
     state = {n: b.detach()[None].clone() for n, b in module.named_buffers()}
     masks = [torch.ones(1, *shape, dtype=torch.bool) for _, shape in record.calls]
 
-    def trial(
-        p: dict[str, torch.Tensor],
-        b: dict[str, torch.Tensor],
-        x: torch.Tensor,
-        y: torch.Tensor,
-        masks: list[torch.Tensor],
-    ) -> torch.Tensor:
-        with _ReplayMasks(masks):
-            return loss(functional_call(module, p | b, (x,)), y)
-
     try:
         with module_mode(module, True):
-            vmap(grad_and_value(trial), randomness="error")(params, state, x[None], y[None], masks)
+            _group_gradients(module, loss)(params, state, x[None], y[None], masks)
     except Exception as exc:  # noqa: BLE001 -- the model's own code: any failure is the reason
         reason = " ".join(str(exc).split())[:160]
         return f"torch.func cannot batch the model's training step ({type(exc).__name__}: {reason})"
@@ -231,24 +243,10 @@ class VmapTraining:
         state |= {name: b.expand(n, *b.shape).clone() for name, b in self._fixed_buffers.items()}
         x, y = fed.x_train[idx], fed.y_train[idx]
         masks = self._masks(params | diff | state, x[0], generators)
-        module, loss_fn = layout.module, self.inputs.loss
-
-        def client_loss(
-            diff: dict[str, torch.Tensor],
-            fixed: dict[str, torch.Tensor],
-            state: dict[str, torch.Tensor],
-            x: torch.Tensor,
-            y: torch.Tensor,
-            masks: list[torch.Tensor],
-        ) -> torch.Tensor:
-            with _ReplayMasks(masks):
-                logits = functional_call(module, diff | fixed | state, (x,))
-            return loss_fn(logits, y)
-
+        module = layout.module
         with module_mode(module, True):
-            grads, loss = vmap(grad_and_value(client_loss), randomness="error")(
-                diff, params, state, x, y, masks
-            )
+            step = _group_gradients(module, self.inputs.loss)
+            grads, loss = step(diff, params | state, x, y, masks)
         for s in layout.buffer_slots:
             rows[:, s.start : s.stop] = updated[s.name].reshape(n, -1)
         flat = [grads[name].reshape(n, -1) for name in trained]
