@@ -1,4 +1,4 @@
-"""The privacy-accuracy table of the DP modes on two Fashion-MNIST rotation federations.
+"""The privacy-accuracy tables of the DP modes on rotation federations.
 
 Modes (docs/privacy.md): ``local`` (client-level local DP, every upload
 clipped and noised on the client), ``central`` (DP-FedAvg with adaptive
@@ -10,7 +10,7 @@ algorithms cluster on the uploads as post-processing). Each cell is the
 final pooled test accuracy and ARI, mean ± std over seeds; ε = ∞ is the run
 without privacy (shared by the modes of a federation).
 
-Federations (``--federation``), both reductions of the docs' rotation preset
+Federations (``--federation``), reductions of the docs' rotation preset
 (4 groups of 0/90/180/270 degrees) with multinomial logistic regression
 (``mclr``, d = 7,850), one local epoch, 15 rounds, full participation, δ = 1e-5:
 
@@ -23,9 +23,15 @@ Federations (``--federation``), both reductions of the docs' rotation preset
   and 250 test images, the whole of Fashion-MNIST's 70,000; lr 0.3, B = 64,
   clip 1 per sample. DP-SGD's noise per step is σ·C/(q·n) per coordinate, so
   clients with many records keep their uploads informative.
+- ``mnist-2400`` and ``fmnist-2400`` (modes central, device; ε = 1, 4, 8): the
+  population sizes DP needs, IFCA's rotated MNIST (Ghosh et al., NeurIPS 2020,
+  Sec. 5.2: 2,400 clients of 100 images, 600 per rotation) and the same on
+  Fashion-MNIST, mclr with IFCA's local training (10 full-batch steps at lr 0.1),
+  clip 1.0 (the median update norm of round 1 on both).
 
     python -m benchmarks.reproduction.dp_modes --seeds 3 --out runs/dp-modes
     python -m benchmarks.reproduction.dp_modes --federation records --seeds 3
+    python -m benchmarks.reproduction.dp_modes --federation mnist-2400 --seeds 3
     # round-1 signal vs noise:
     python -m benchmarks.reproduction.dp_modes --federation records --geometry
 
@@ -80,6 +86,7 @@ class Federation:
     sets: tuple[str, ...]
     modes: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
     out: str
+    epsilons: tuple[float, ...] = EPSILONS
 
 
 def rotation(n_clients: int, samples: int, test: int, train: str, clip: float) -> tuple[str, ...]:
@@ -96,6 +103,31 @@ def rotation(n_clients: int, samples: int, test: int, train: str, clip: float) -
     )
 
 
+def ifca_rotation(dataset: str, clip: float) -> tuple[str, ...]:
+    """IFCA's rotated MNIST (preset ``ifca-rotated-mnist``): 2,400 clients of 100 images in
+    4 rotation groups of 600, each group a fresh permutation of all 60,000 training images,
+    400 test clients; multinomial logistic regression and IFCA's local training (10
+    full-batch steps at lr 0.1)."""
+    return (
+        f"data.dataset={dataset}",
+        "data.partition={name: rotation, n_groups: 4, reuse: per_group, test_clients: 100, "
+        "base: iid, base_options: {n_clients: 600, samples_per_client: 100}}",
+        "model.name=mclr",
+        "model.options={}",
+        "train={lr: 0.1, batch_size: 100, steps: 10}",
+        "checkpoint_every=1000",
+        f"privacy.clip={clip}",
+        "privacy.delta=1.0e-5",
+    )
+
+
+# The populations DP needs: central noise on a cluster mean is z·C/n_k.
+POPULATION_EPSILONS = (1.0, 4.0, 8.0)
+POPULATION_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "central": (("privacy.mode=central",), ("fedavg", "ifca")),
+    "device": (("privacy.mode=central",), ("jgl-device", "fesem-device")),
+}
+
 FEDERATIONS = {
     "clients": Federation(
         rotation(300, 60, 30, "{lr: 0.1, batch_size: 32, epochs: 1}", 0.4),
@@ -110,6 +142,15 @@ FEDERATIONS = {
         },
         "runs/dp-modes",
     ),
+    "mnist-2400": Federation(
+        ifca_rotation("mnist", 1.0), POPULATION_MODES, "runs/dp-mnist-2400", POPULATION_EPSILONS
+    ),
+    "fmnist-2400": Federation(
+        ifca_rotation("fashion-mnist", 1.0),
+        POPULATION_MODES,
+        "runs/dp-fmnist-2400",
+        POPULATION_EPSILONS,
+    ),
     "records": Federation(
         rotation(40, 1500, 250, "{lr: 0.3, batch_size: 64, epochs: 1}", 1.0),
         {"record": (("privacy.mode=record", BUDGET), ("fedavg", "ifca", "dcfl", "fedgroup"))},
@@ -123,7 +164,7 @@ def settings(fed: Federation) -> list[tuple[str, float, tuple[str, ...], list[st
     and the run without privacy of every algorithm a mode applies to."""
     every = tuple(a for a in ALGORITHMS if any(a in algs for _, algs in fed.modes.values()))
     out = [("none", math.inf, every, [])]
-    for eps in EPSILONS:
+    for eps in fed.epsilons:
         for mode, (sets, algorithms) in fed.modes.items():
             out.append((mode, eps, algorithms, [*sets, f"privacy.epsilon={eps}"]))
     return out
@@ -146,7 +187,7 @@ def table(fed: Federation, results: list[dict]) -> str:
         for a in algorithms:
             row = {"mode": mode, "algorithm": a}
             seeds = []
-            for eps in (*EPSILONS, math.inf):
+            for eps in (*fed.epsilons, math.inf):
                 m = "none" if math.isinf(eps) else mode
                 jobs = [
                     r for r in results if r["mode"] == m and r["algorithm"] == a and r["eps"] == eps
@@ -203,7 +244,9 @@ def main() -> None:
     p.set_defaults(seeds=3, rounds=15, out=None)
     p.add_argument("--federation", choices=sorted(FEDERATIONS), default="clients")
     p.add_argument("--modes", default=None, help="comma-separated subset (default: all, none)")
-    p.add_argument("--eps", default="1,3,10,30,inf", help="comma-separated subset (inf: none)")
+    p.add_argument(
+        "--eps", default=None, help="comma-separated subset (inf: none; default: the federation's)"
+    )
     p.add_argument(
         "--geometry",
         action="store_true",
@@ -211,7 +254,7 @@ def main() -> None:
     )
     args = p.parse_args()
     fed = FEDERATIONS[args.federation]
-    epsilons = {float(e) for e in args.eps.split(",")}
+    epsilons = {float(e) for e in args.eps.split(",")} if args.eps else {*fed.epsilons, math.inf}
     if args.geometry:
         for eps in sorted(e for e in epsilons if not math.isinf(e)):
             print(f"ε = {eps:g}:", json.dumps(geometry(fed, args.data_dir, eps)), flush=True)
