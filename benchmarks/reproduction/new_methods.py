@@ -1,5 +1,5 @@
-"""CFL-GP, CLoVE and FedGWC, each in one setting of its paper (or the closest reduced
-one), with IFCA and FedAvg beside them; seeds 0..N-1.
+"""CFL-GP, CLoVE, FedGWC, pFedGraph and FedRC, each in one setting of its paper (or
+the closest reduced one), with IFCA and FedAvg beside them; seeds 0..N-1.
 
 - ``cflgp``: the reference code's default experiment (its README and notebook):
   MNIST, 128 clients in 8 rotation groups at 0, 15, 90, 105, 180, 195, 270 and
@@ -16,6 +16,12 @@ one), with IFCA and FedAvg beside them; seeds 0..N-1.
 - ``fedgwc-label-skew`` (reduced): the same with label skew instead of rotations,
   4 groups holding the digits 0-4, 5-9, the even and the odd ones (compare-cfl's
   label-skew table), 8 clients per group.
+- ``fedrc``: FedRC's reference setting (its code's ``create_c`` scripts and README
+  command) at its scale: Fashion-MNIST, 300 clients with Dirichlet(0.5) label
+  skew, the three shifts at once (``data.shift`` ``mixture``: rotations, a label
+  shift per group and a label permutation per concept group; the concept is the
+  truth), K = 3, 200 rounds, batch 128, lr 0.06; an MLP 784-200-10 instead of the
+  reference's CNN (a 2-core CPU), with IFCA (K = 3) and FedAvg beside it.
 - ``pfedgraph`` (reduced): mnist5k, 16 clients in 4 groups holding the digits 0-1,
   2-3, 4-5 and 6-7 (the paper's CIFAR-10 "2 classes per client" skew, on MNIST),
   the MLP 784-64-10, 15 rounds, beside local training; "graph weight in group" is
@@ -112,6 +118,23 @@ SETTINGS["pfedgraph"] = {
         + ", clients_per_cluster: 4, samples_per_client: 125, test_fraction: 0.2}",
         "algorithms=[{name: pfedgraph}, {name: local}, {name: fedavg}, "
         "{name: ifca, params: {n_clusters: 4}}]",
+    ],
+}
+
+SETTINGS["fedrc"] = {
+    "preset": None,
+    "truth": lambda g: g,
+    "sets": [
+        "name=fedrc-fmnist-mixture",
+        "rounds=200",
+        "eval_every=10",
+        "data.dataset=fashion-mnist",
+        "data.partition={name: dirichlet, n_clients: 300, alpha: 0.5, samples_per_client: 200}",
+        "data.shift={kind: mixture, groups: 3}",
+        "model={name: mlp, options: {hidden: [200]}}",
+        "train={lr: 0.06, batch_size: 128, epochs: 1}",
+        "algorithms=[{name: fedrc, params: {n_clusters: 3}}, "
+        "{name: ifca, params: {n_clusters: 3}}, {name: fedavg}]",
     ],
 }
 
