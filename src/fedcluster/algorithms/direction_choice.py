@@ -58,13 +58,18 @@ Ties (equal scores) go to the lowest cluster index.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 import torch
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import Context, Exchange
-from fedcluster.clustering.distances import cosine_to_directions, dcfl_distance_to_directions
+from fedcluster.clustering.distances import (
+    DcflVariant,
+    cosine_to_directions,
+    dcfl_distance_to_directions,
+)
 from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range, release_chosen
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.client_side import ClientBatch
@@ -83,8 +88,8 @@ def direction_scores(
     noise_sq = directions.shape[1] * noise.double().square()
     if rule == "cosine":
         return -cosine_to_directions(updates, directions, noise_sq)
-    variant = rule.removeprefix("dcfl-")
-    return dcfl_distance_to_directions(updates, directions, noise_sq, variant=variant)  # type: ignore[arg-type]
+    variant = cast(DcflVariant, rule.removeprefix("dcfl-"))  # checked by the distance
+    return dcfl_distance_to_directions(updates, directions, noise_sq, variant=variant)
 
 
 def _choose_by_direction_and_train(batch: ClientBatch, request: Request) -> Payload:
