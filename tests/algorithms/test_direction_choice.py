@@ -111,6 +111,28 @@ def test_the_noise_term_removes_the_expected_noise_of_a_released_direction():
     assert uncorrected - want > 0.9 * d * s * s  # what the term takes away
 
 
+@pytest.mark.parametrize("rule", ["dcfl-complete", "cosine"])
+def test_without_the_noise_term_the_larger_clusters_direction_attracts_its_neighbour(rule):
+    """A client whose update is cluster 1's direction, cluster 1 small (s₁ = 0.05 per
+    coordinate: d·s₁² = 5 against ‖δ‖² = 1) and cluster 0 large (s₀ = 0.005), the two
+    directions at cosine 0.6: over many noisy releases the rule with the term chooses
+    cluster 1 every time, the same rule without it cluster 0 every time (the noise's own
+    spread, s₁²·√(2d) = 0.16, is far below the margins)."""
+    d, draws = 2000, 50
+    gen = torch.Generator().manual_seed(2)
+    basis = torch.linalg.qr(torch.randn(d, 2, generator=gen, dtype=torch.float64))[0].T
+    delta = torch.stack([0.6 * basis[0] + 0.8 * basis[1], basis[0]])  # unit, cosine 0.6
+    s = torch.tensor([0.005, 0.05], dtype=torch.float64)
+    with_term, without = [], []
+    for _ in range(draws):
+        released = delta + s[:, None] * torch.randn(2, d, generator=gen, dtype=torch.float64)
+        u = delta[1:]
+        with_term.append(int(direction_scores(u, released, s, rule).argmin()))
+        without.append(int(direction_scores(u, released, torch.zeros(2), rule).argmin()))
+    assert with_term == [1] * draws
+    assert without == [0] * draws
+
+
 # --------------------------------------------------------- a round, by hand
 def _setup(cls, seed: int = 0):
     fed = rotated_digits(n_groups=N_GROUPS, clients_per_group=PER_GROUP, per_client=40)
