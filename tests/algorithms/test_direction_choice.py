@@ -11,6 +11,7 @@ without privacy; and the settings that cannot run on the device refused.
 
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
@@ -27,8 +28,10 @@ from fedcluster.clustering.distances import (
     dcfl_distance_to,
     dcfl_distance_to_directions,
 )
-from fedcluster.config.schema import AlgorithmSpec
+from fedcluster.config.schema import AlgorithmSpec, resolve_config
 from fedcluster.errors import ConfigError
+from fedcluster.experiment.metrics import TIMING_COLUMNS
+from fedcluster.experiment.runner import Experiment, resume
 from fedcluster.privacy.central import CentralDP
 from fedcluster.protocol.batches import LocalTraining
 from tests.helpers import make_context, rotated_digits
@@ -226,6 +229,37 @@ def test_the_device_choice_finds_the_rotation_groups_without_privacy(cls, seed):
     for rnd in range(1, 11):
         state = alg.run_round(state, rnd, np.arange(fed.n_clients)).state
     assert adjusted_rand_score(np.arange(fed.n_clients) % 4, state.assign) >= 0.9
+
+
+def test_a_resumed_device_choice_under_central_dp_equals_the_uninterrupted_run(tmp_path):
+    """The directions and their noise are server state: a checkpoint keeps them (and
+    central DP its clip and ledger), so a run stopped after round 2 and resumed writes
+    the uninterrupted run's metrics and clusters."""
+    sets = [
+        "data.dataset=digits",
+        "data.partition={name: rotation, n_groups: 2, base: iid, "
+        "base_options: {n_clients: 8, test_fraction: 0.2}}",
+        "model.name=mclr",
+        "model.options={}",
+        "train={lr: 0.1, batch_size: 16, epochs: 1}",
+        "privacy.mode=central",
+        "privacy.count_noise=1.0",
+        "checkpoint_every=1",
+        "algorithms=[{name: dcfl, params: {n_clusters: 2, choice_on_device: true}}, "
+        "{name: fedgroup, params: {n_groups: 2, choice_on_device: true}}]",
+    ]
+    config = resolve_config(None, "quickstart", sets, {"rounds": 3, "seeds": [0]})
+    Experiment(config).run(tmp_path / "whole", progress=False)
+    Experiment(config).run(tmp_path / "resumed", progress=False, stop_after_round=2)
+    resume(tmp_path / "resumed", progress=False)
+    for name in ("metrics.csv", "clusters.csv"):
+        whole, resumed = (_rows(tmp_path / run / name) for run in ("whole", "resumed"))
+        assert whole == resumed and len(whole) > 0, name
+
+
+def _rows(path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in csv.DictReader(f)]
 
 
 # ------------------------------------------------------------------ settings
