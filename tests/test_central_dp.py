@@ -209,15 +209,18 @@ def test_what_central_dp_cannot_account_is_refused(tmp_path, algorithm, extra, e
 
 
 def test_a_choice_on_the_device_counts_every_release_as_the_server_choice_does(tmp_path):
-    """IFCA's, JGL's (eq. 4 from the released models and steps) and FeSEM's (its E-step
-    against the released centres) choices on the device run under central DP; every
+    """IFCA's, JGL's (eq. 4 from the released models and steps), FeSEM's (its E-step
+    against the released centres), DCFL's (eq. 6) and FedGroup's (eq. 9, both against the
+    released cluster steps, without sketches) choices on the device run under central DP; every
     accepted upload of theirs is one aggregate release, so each job spends the budget
     FedAvg spends over the same rounds (ε just under 10)."""
     algorithms = (
         "algorithms=[{name: fedavg}, {name: ifca, params: {n_clusters: 2}}, "
         "{name: ifca, label: ifca-device, params: {n_clusters: 2, choice_on_device: true}}, "
         "{name: jgl, params: {n_clusters: 2, choice_on_device: true}}, "
-        "{name: fesem, params: {n_clusters: 2, init: random, choice_on_device: true}}]"
+        "{name: fesem, params: {n_clusters: 2, init: random, choice_on_device: true}}, "
+        "{name: dcfl, params: {n_clusters: 2, choice_on_device: true}}, "
+        "{name: fedgroup, params: {n_groups: 2, choice_on_device: true}}]"
     )
     config = resolve_config(None, "quickstart", [*TINY, algorithms], {"rounds": 3, "seeds": [0]})
     Experiment(config).run(tmp_path, progress=False)
@@ -225,12 +228,14 @@ def test_a_choice_on_the_device_counts_every_release_as_the_server_choice_does(t
         rows = list(csv.DictReader(f))
     for rnd in ("1", "2", "3"):
         eps = {r["algorithm"]: float(r["epsilon"]) for r in rows if r["round"] == rnd}
-        assert len(eps) == 5 and len(set(eps.values())) == 1, eps
+        assert len(eps) == 7 and len(set(eps.values())) == 1, eps
     assert 9.99 < eps["fedavg"] <= 10.0
 
 
 def test_jgl_choosing_on_the_server_is_refused_under_central_dp(tmp_path):
     sets = [*TINY, "algorithms=[{name: jgl, params: {n_clusters: 2}}]"]
     config = resolve_config(None, "quickstart", sets, {"rounds": 1})
-    with pytest.raises(ConfigError, match="JGL or FeSEM with choice_on_device: true"):
+    with pytest.raises(
+        ConfigError, match="JGL, FeSEM, DCFL or FedGroup with choice_on_device: true"
+    ):
         Experiment(config).run(tmp_path, progress=False)

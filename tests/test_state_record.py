@@ -29,7 +29,11 @@ SETS = [
 
 def _dcfl_state() -> DCFLState:
     return DCFLState(
-        models=torch.arange(6.0).reshape(2, 3), assign=np.array([0, 1, -1]), reclusterings=2
+        models=torch.arange(6.0).reshape(2, 3),
+        assign=np.array([0, 1, -1]),
+        reclusterings=2,
+        directions=torch.ones(2, 3),
+        direction_noise=torch.tensor([0.5, 0.0], dtype=torch.float64),
     )
 
 
@@ -38,6 +42,8 @@ def test_a_record_rebuilds_the_state():
     again = DCFLState.from_record(state.to_record())
     assert torch.equal(again.models, state.models)
     assert np.array_equal(again.assign, state.assign) and again.reclusterings == 2
+    assert torch.equal(again.directions, state.directions)
+    assert torch.equal(again.direction_noise, state.direction_noise)
 
 
 def test_a_removed_field_is_named():

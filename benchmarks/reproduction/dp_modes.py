@@ -73,6 +73,11 @@ ALGORITHMS = {
     # FeSEM's E-step on the device against the released (random-initialised) centres
     "fesem-device": "{name: fesem, label: fesem-device, "
     "params: {n_clusters: 4, init: random, choice_on_device: true}}",
+    # DCFL's eq. 6 and FedGroup's eq. 9 on the device against the released cluster steps
+    "dcfl-device": "{name: dcfl, label: dcfl-device, "
+    "params: {n_clusters: 4, choice_on_device: true}}",
+    "fedgroup-device": "{name: fedgroup, label: fedgroup-device, "
+    "params: {n_groups: 4, choice_on_device: true}}",
 }
 # FedGroup's round-1 pre-training is one upload more than the rounds.
 BUDGET = "privacy.max_participations=16"
@@ -134,7 +139,10 @@ FEDERATIONS = {
         {
             "local": (("privacy.mode=client",), ("fedavg", "ifca", "dcfl", "fedgroup")),
             "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-init")),
-            "device": (("privacy.mode=central",), ("jgl-device", "fesem-device")),
+            "device": (
+                ("privacy.mode=central",),
+                ("jgl-device", "fesem-device", "dcfl-device", "fedgroup-device"),
+            ),
             "sketch": (
                 ("privacy.mode=central", "privacy.sketch_dim=256", BUDGET),
                 ("dcfl", "fedgroup"),

@@ -118,6 +118,16 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
             )
             for compare in ("parameters", "row")
         ],
+        "direction-choose-and-train": [
+            Request(
+                shared={"models": rows, "directions": rows - rows.mean(0)},
+                settings={**train, "rule": rule, "direction_noise": noise, "compare": compare},
+            )
+            for rule, noise, compare in (
+                ("dcfl-complete", [0.01, 0.0], "parameters"),
+                ("cosine", [0.0, 0.02], "row"),
+            )
+        ],
         "flux-descriptor": [
             Request(shared={"model": rows[0]}, settings={"n_classes": fed.n_classes, "latent": 8})
         ],

@@ -92,6 +92,29 @@ def test_flower_run_writes_the_simulators_metrics_and_clusters(tmp_path):
     assert purity and max(purity) > 0.5  # the comparison is about real clustering
 
 
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "dcfl", "params": {"n_clusters": 2, "choice_on_device": True}},
+        {"name": "fedgroup", "params": {"n_groups": 2, "choice_on_device": True}},
+    ],
+    ids=["dcfl-device", "fedgroup-device"],
+)
+def test_a_choice_by_released_directions_under_central_dp_on_flower(tmp_path, algorithm):
+    """DCFL's eq. 6 and FedGroup's eq. 9 on the devices under central DP: the directions'
+    noise z_Δ·C_t/n_k travels in each message's settings, the nodes choose and train as
+    the simulator does, and the noisy aggregates and ε are the same."""
+    config = validate_config(
+        {
+            **CONFIG,
+            "algorithms": [algorithm],
+            "privacy": {"mode": "central", "count_noise": 1.0},
+        }
+    )
+    sim = _same_run_on_both_backends(config, tmp_path)
+    assert all(float(r["epsilon"]) > 0 for r in sim)
+
+
 @pytest.mark.parametrize("mode", ["client", "record"])
 def test_local_dp_on_flower_draws_the_simulators_noise_on_the_nodes(tmp_path, mode):
     """Client-level noise and DP-SGD noise drawn on the nodes equal the simulator's; a

@@ -232,6 +232,27 @@ def test_the_choice_on_the_device_is_one_message_per_node_and_round(tmp_path):
     assert asked == per_round * rounds * len(config.algorithms)
 
 
+def test_the_choice_by_released_directions_is_one_message_per_node_and_round(tmp_path):
+    """DCFL and FedGroup with ``choice_on_device``: the probe, the choice against the
+    released steps and the training in one direction-choose-and-train message per node
+    and round, then the evaluation; the same metrics as the simulator."""
+    rounds, n_nodes = 2, 2
+    config = _config(
+        [
+            {"name": "dcfl", "params": {"n_clusters": 2, "choice_on_device": True}},
+            {"name": "fedgroup", "params": {"n_groups": 2, "choice_on_device": True}},
+        ]
+    )
+    nodes, _ = _nodes(config, tmp_path, n_nodes)
+    grid = LocalGrid(nodes)
+    _flower_run(config, grid, tmp_path / "flower")
+    Experiment(config).run(tmp_path / "sim", progress=False)
+    assert_same_run(tmp_path / "sim", tmp_path / "flower", rel=1e-6)
+    asked = [c for c in grid.computations if c != "setup"]
+    per_round = ["direction-choose-and-train"] * n_nodes + ["evaluate"] * n_nodes
+    assert asked == per_round * rounds * len(config.algorithms)
+
+
 def test_a_client_moved_to_another_group_by_drift_is_moved_on_flower_too(tmp_path):
     """scenario.drift.regroup: the server moves the client's ground truth on both backends,
     so purity, ARI and the clients' groups agree (the nodes never see it)."""

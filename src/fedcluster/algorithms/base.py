@@ -368,7 +368,8 @@ class Context:
         if self.central.sketch_matrix is None:
             raise ConfigError(
                 f"privacy.mode central: {who} clusters on individual updates, which central DP "
-                "does not cover; set privacy.sketch_dim (e.g. 256) to cluster on noisy sketches"
+                "does not cover; set privacy.sketch_dim (e.g. 256) to cluster on noisy sketches "
+                "(DCFL and FedGroup: or choice_on_device: true, the devices choose)"
             )
         sketches = self.central.sketches(np.asarray(clients, dtype=np.int64))
         return torch.zeros_like(sketches), sketches

@@ -62,6 +62,17 @@ Choices where the paper is silent, taken here:
   the clustering in force during the round), and ``reclusterings``, the
   re-clusterings so far (``state.reclusterings``).
 
+The choice on the device (``choice_on_device``, beyond the paper;
+:mod:`fedcluster.algorithms.direction_choice`): every selected client runs eq. 6 every
+round on its device -- trains a probe from W_G, joins the cluster whose released
+direction (its last released step) is nearest by eq. 2 with the expected noise of that
+direction subtracted, trains that cluster's model and uploads it with the cluster id --
+and the server only averages each cluster, so DCFL runs under central DP without
+sketches. There are ``n_clusters`` clusters from K random initial models; affinity
+propagation and the Dunn-index re-clustering (eqs. 3-5) compare individual updates and
+do not run (setting ``preference``, ``damping`` or ``max_exact_participants`` with it is
+refused), and there are no newcomers (every client chooses).
+
 Dynamic federations (:mod:`fedcluster.experiment.scenario`), the setting DCFL was built
 for (Sec. III): a client joining after round 1 is a newcomer when first
 selected (eq. 6 above); a failed newcomer is treated like a rejected one. A
@@ -77,7 +88,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import (
@@ -87,6 +98,11 @@ from fedcluster.algorithms.base import (
     State,
     register,
     weighted_loss,
+)
+from fedcluster.algorithms.direction_choice import (
+    direction_round,
+    initial_cluster_models,
+    initial_directions,
 )
 from fedcluster.clustering.distances import DcflVariant, dcfl_distance_matrix, dcfl_distance_to
 from fedcluster.clustering.methods import affinity_propagation_exemplars
@@ -102,6 +118,11 @@ class DCFLState(State):
     """Each client's cluster (−1: not yet assigned)."""
     reclusterings: int
     """The re-clusterings so far."""
+    directions: torch.Tensor
+    """With ``choice_on_device``: each cluster's last released step [K, d] (its offset from
+    W_G before its first aggregation); empty otherwise."""
+    direction_noise: torch.Tensor
+    """The per-coordinate noise std of each direction [K] (central DP); empty otherwise."""
 
 
 class DCFLParams(AlgorithmParams):
@@ -121,6 +142,42 @@ class DCFLParams(AlgorithmParams):
         "affinity propagation run on a random sample of this many and the others join "
         "their nearest exemplar (O(s²) instead of O(n²)); null: always exact",
     )
+    choice_on_device: bool = Field(
+        False,
+        description="every client runs eq. 6 on its device each round (probe from W_G, the "
+        "nearest released cluster step by eq. 2 less its expected noise) and uploads its model "
+        "with the cluster id; no affinity propagation or re-clustering",
+    )
+    n_clusters: int | None = Field(
+        None, ge=1, description="with choice_on_device: the K random initial clusters (default 4)"
+    )
+
+    @model_validator(mode="after")
+    def _device_settings(self) -> DCFLParams:
+        if not self.choice_on_device:
+            if self.n_clusters is not None:
+                raise ValueError(
+                    "n_clusters needs choice_on_device: DCFL finds its clusters by affinity "
+                    "propagation"
+                )
+            return self
+        fields = type(self).model_fields
+        server_side = [
+            name
+            for name in ("preference", "damping", "max_exact_participants")
+            if getattr(self, name) != fields[name].default
+        ]
+        if server_side:
+            raise ValueError(
+                f"{server_side[0]} has no effect with choice_on_device: affinity propagation "
+                "and the Dunn-index re-clustering compare individual updates and do not run"
+            )
+        return self
+
+    @property
+    def device_clusters(self) -> int:
+        """K of the device choice (``n_clusters``, default 4)."""
+        return 4 if self.n_clusters is None else self.n_clusters
 
 
 @register
@@ -132,14 +189,20 @@ class DCFL(Algorithm[DCFLParams, DCFLState]):
     StateType = DCFLState
 
     def init_state(self) -> DCFLState:
-        return DCFLState(
-            models=self.ctx.init_row.unsqueeze(0).clone(),
-            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
-            reclusterings=0,
-        )
+        ctx = self.ctx
+        assign = np.full(ctx.n_clients, -1, dtype=np.int64)
+        if self.params.choice_on_device:
+            k = self.params.device_clusters
+            models = initial_cluster_models(ctx, k, self.name)
+            directions = initial_directions(models)
+            return DCFLState(models, assign, 0, directions, torch.zeros(k, dtype=torch.float64))
+        empty = torch.zeros(0, ctx.dim)
+        return DCFLState(ctx.init_row.unsqueeze(0).clone(), assign, 0, empty, torch.zeros(0))
 
     def run_round(self, state: DCFLState, rnd: int, selected: np.ndarray) -> RoundOutput[DCFLState]:
         ctx = self.ctx
+        if self.params.choice_on_device:
+            return self.device_round(state, rnd, selected)
         assign = state.assign.copy()
         if (assign < 0).all():
             assign[selected] = 0  # the initial clients form C_0 (Alg. 1 line 1)
@@ -180,6 +243,30 @@ class DCFL(Algorithm[DCFLParams, DCFLState]):
         new = replace(state, models=models, assign=assign, reclusterings=reclusterings)
         report = {"dunn": float(dunn), "reclusterings": float(reclusterings)}
         return RoundOutput(new, weighted_loss(ex.loss, ctx.train_sizes[selected]), report)
+
+    def device_round(
+        self, state: DCFLState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[DCFLState]:
+        """``choice_on_device``: eq. 6 on every selected device against the released steps,
+        then each cluster's aggregate (module docstring)."""
+        rule = f"dcfl-{self.params.variant}"
+        done = direction_round(
+            self.ctx, state.models, state.directions, state.direction_noise, rule, selected, rnd,
+            self.ctx.train,
+        )  # fmt: skip
+        ex = done.exchange
+        if not len(ex.clients):
+            return RoundOutput(state, float("nan"))
+        assign = state.assign.copy()
+        assign[ex.clients] = done.choice
+        new = replace(
+            state,
+            models=done.models,
+            assign=assign,
+            directions=done.directions,
+            direction_noise=done.noise,
+        )
+        return RoundOutput(new, weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients]))
 
     def _sample(self, n: int, rnd: int) -> np.ndarray | None:
         """Positions (sorted) of the round's updates the clustering runs on when there

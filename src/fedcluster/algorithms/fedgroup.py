@@ -46,6 +46,19 @@ next round retries with a fresh draw of clients (``state.cold_start_retries``
 keys the draw; the first draw is unchanged). A round without an accepted update
 changes no model.
 
+The choice on the device (``choice_on_device``, beyond the paper;
+:mod:`fedcluster.algorithms.direction_choice`): every selected client runs the client
+cold start (eq. 9) every round on its device -- trains a probe from the auxiliary global
+model (the mean of the group models), joins the group whose released direction (its last
+released step) has the largest cosine with the probe's update, its norm less the
+direction's expected noise, trains that group's model and uploads it with the group id
+-- and the server only averages each group, so FedGroup runs under central DP without
+sketches. The m groups start as m random models; the group cold start (Alg. 3: SVD +
+K-Means++ or MADC on pre-training updates) compares individual updates and does not run,
+and settings that only it or the newcomers' pre-training use (``pretrain_scale``,
+``pretrain_epochs``, ``measure``, ``rcc``, ``rac``), and the inter-group aggregation
+(``eta_g``, which mixes the released steps), are refused with it.
+
 Dynamic federations (:mod:`fedcluster.experiment.scenario`). The group cold start draws
 its α·m clients among the clients reachable in its round (waiting for a round
 with at least as many reachable clients as it needs); every client that joins
@@ -63,7 +76,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import (
@@ -77,6 +90,11 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
+from fedcluster.algorithms.direction_choice import (
+    direction_round,
+    initial_cluster_models,
+    initial_directions,
+)
 from fedcluster.clustering.distances import cosine_to, madc_matrix, svd_directions
 from fedcluster.clustering.methods import hierarchical, kmeans_pp
 from fedcluster.errors import ConfigError
@@ -90,7 +108,11 @@ class FedGroupState(State):
     models: torch.Tensor
     """The m group models [m, d]."""
     directions: torch.Tensor
-    """Each group's optimisation direction (Alg. 3) [m, d]."""
+    """Each group's optimisation direction [m, d]: Alg. 3's w_0^(g) − w0, or with
+    ``choice_on_device`` its last released step (its offset from the mean of the group
+    models before its first aggregation)."""
+    direction_noise: torch.Tensor
+    """The per-coordinate noise std of each direction [m] (central DP; 0: noiseless)."""
     assign: np.ndarray
     """Each client's group (−1: cold)."""
     grouped: bool
@@ -113,6 +135,30 @@ class FedGroupParams(AlgorithmParams):
     eta_g: float = Field(0.0, ge=0.0, description="inter-group aggregation rate η_g (0 = off)")
     rcc: bool = Field(False, description="ablation RCC: m random clients as group centres")
     rac: bool = Field(False, description="ablation RAC: cold clients join a random group")
+    choice_on_device: bool = Field(
+        False,
+        description="every client runs eq. 9 on its device each round (probe from the mean of "
+        "the group models, the released group step of largest cosine) and uploads its model "
+        "with the group id; no group cold start",
+    )
+
+    @model_validator(mode="after")
+    def _device_settings(self) -> FedGroupParams:
+        if not self.choice_on_device:
+            return self
+        fields = type(self).model_fields
+        unused = [
+            name
+            for name in ("pretrain_scale", "pretrain_epochs", "measure", "rcc", "rac", "eta_g")
+            if getattr(self, name) != fields[name].default
+        ]
+        if unused:
+            raise ValueError(
+                f"{unused[0]} cannot be used with choice_on_device: the group cold start and "
+                "the pre-training compare individual updates, and inter-group aggregation "
+                "mixes the released steps the devices compare with"
+            )
+        return self
 
 
 class FedGrouProxParams(FedGroupParams):
@@ -152,18 +198,21 @@ class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
 
     def init_state(self) -> FedGroupState:
         m = self.params.n_groups
-        return FedGroupState(
-            models=self.ctx.init_row.unsqueeze(0).repeat(m, 1),
-            directions=torch.zeros(m, self.ctx.dim),
-            assign=np.full(self.ctx.n_clients, -1, dtype=np.int64),
-            grouped=False,
-            cold_start_retries=0,
-        )
+        ctx = self.ctx
+        assign = np.full(ctx.n_clients, -1, dtype=np.int64)
+        noise = torch.zeros(m, dtype=torch.float64)
+        if self.params.choice_on_device:
+            models = initial_cluster_models(ctx, m, self.name)
+            return FedGroupState(models, initial_directions(models), noise, assign, True, 0)
+        models = ctx.init_row.unsqueeze(0).repeat(m, 1)
+        return FedGroupState(models, torch.zeros(m, ctx.dim), noise, assign, False, 0)
 
     def run_round(
         self, state: FedGroupState, rnd: int, selected: np.ndarray
     ) -> RoundOutput[FedGroupState]:
         ctx = self.ctx
+        if self.params.choice_on_device:
+            return self.device_round(state, rnd, selected)
         if not state.grouped:
             state = self.group_cold_start(state)
             if not state.grouped:  # too few pre-training updates accepted: retried next round
@@ -185,6 +234,30 @@ class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
         if self.params.eta_g > 0.0:
             models = inter_group_aggregation(models, self.params.eta_g)
         return RoundOutput(replace(state, models=models), weighted_loss(ex.loss, sizes))
+
+    def device_round(
+        self, state: FedGroupState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FedGroupState]:
+        """``choice_on_device``: eq. 9 on every selected device against the released steps,
+        then each group's aggregate by sample count (module docstring)."""
+        ctx = self.ctx
+        done = direction_round(
+            ctx, state.models, state.directions, state.direction_noise, "cosine", selected, rnd,
+            ctx.local(mu=self.params.mu), by_samples=True,
+        )  # fmt: skip
+        ex = done.exchange
+        if not len(ex.clients):
+            return RoundOutput(state, float("nan"))
+        assign = state.assign.copy()
+        assign[ex.clients] = done.choice
+        new = replace(
+            state,
+            models=done.models,
+            directions=done.directions,
+            direction_noise=done.noise,
+            assign=assign,
+        )
+        return RoundOutput(new, weighted_loss(ex.loss, ctx.train_sizes[ex.clients]))
 
     def pretrain(self, clients: np.ndarray) -> Exchange:
         """Clients receive w0, train ``pretrain_epochs`` from it and upload.

@@ -73,7 +73,7 @@ from fedcluster.engine.client_computations import (
     TRAIN,
     cluster_ids_in_range,
     n_models,
-    release_trained,
+    release_chosen,
 )
 from fedcluster.protocol.channel import Replies
 from fedcluster.protocol.client_side import ClientBatch
@@ -257,12 +257,6 @@ def _choose_and_train(batch: ClientBatch, request: Request) -> Payload:
     }
 
 
-def _release_chosen(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
-    """Local DP of the model each client trained from the cluster model it chose."""
-    start = request.shared["models"][reply["cluster"].long()]
-    return release_trained(request, reply, clients, seed, start)
-
-
 CHOOSE_AND_TRAIN = register_computation(
     replace(  # a training (its DP release, cost and update bound) that chooses its start
         TRAIN,
@@ -274,7 +268,7 @@ CHOOSE_AND_TRAIN = register_computation(
             "differs": ReplyField((), counted=False, dtype=torch.int64),
         },
         batched_run=_choose_and_train,
-        release=_release_chosen,
+        release=release_chosen,
         update=("row", "models"),
         start_index="cluster",
         check=cluster_ids_in_range("models"),

@@ -226,6 +226,81 @@ def dcfl_distance_to(
     return _dcfl_to(origins_a, ends_a, origins_b, ends_b, variant)
 
 
+def dcfl_distance_to_directions(
+    updates: ArrayLike,
+    directions: ArrayLike,
+    noise_sq: ArrayLike | None = None,
+    *,
+    variant: DcflVariant = "complete",
+) -> torch.Tensor:
+    """DCFL distances [n, K] from updates u_i to directions v_k that share their origin
+    (DCFL eq. 6: the newcomer's update from W_G and the vectors W_G -> W_Ck), with the
+    expected contribution of noise in the directions subtracted.
+
+    From a common origin the end points differ by u - v, so eq. 1's divergence is
+    ``omega = |u - v| / (|u| + |v|)`` and eq. 2 is ``|u - v| exp(2 omega)``. When
+    ``v_k = delta_k + n_k`` carries noise of total expected squared norm
+    ``noise_sq[k] = E|n_k|^2`` (independent of u, zero mean), ``E|u - v_k|^2 =
+    |u - delta_k|^2 + noise_sq[k]`` and ``E|v_k|^2 = |delta_k|^2 + noise_sq[k]``: both
+    squared norms are estimated without the noise (clamped at 0) and eqs. 1-2 are
+    taken of the estimates; |u| has no noise. ``variant`` as in
+    :func:`dcfl_distance_matrix` (cosine: ``1 -`` :func:`cosine_to_directions`).
+    Without noise (``noise_sq`` None or 0) this equals :func:`dcfl_distance_to` with
+    both origins at the common one. Float64.
+    """
+    if variant not in DCFL_VARIANTS:
+        raise ConfigError(f"variant: expected one of {DCFL_VARIANTS}, got {variant!r}")
+    if variant == "cosine":
+        return 1.0 - cosine_to_directions(updates, directions, noise_sq)
+    u, v, extra = _with_noise(updates, directions, noise_sq)
+    u_sq, v_sq = (u * u).sum(1), (v * v).sum(1)
+    end_sq = u_sq[:, None] + v_sq[None, :] - 2.0 * (u @ v.T) - extra[None, :]
+    end = end_sq.clamp_min(0.0).sqrt()
+    if variant == "euclidean":
+        return end
+    direction_norm = (v_sq - extra).clamp_min(0.0).sqrt()
+    return _dcfl_from_terms(end, end * end, u_sq.sqrt(), direction_norm, variant)
+
+
+def cosine_to_directions(
+    updates: ArrayLike, directions: ArrayLike, noise_sq: ArrayLike | None = None
+) -> torch.Tensor:
+    """Cosines ``cos(u_i, delta_k)`` [n, K] estimated from noisy directions
+    ``v_k = delta_k + n_k`` (FedGroup eq. 9 against released directions).
+
+    ``<u, v_k>`` is unbiased for ``<u, delta_k>``; the squared norm ``|v_k|^2`` carries the
+    noise's ``noise_sq[k] = E|n_k|^2 = d s_k^2`` (s_k per coordinate), which is subtracted.
+    The estimate is not taken below the standard deviation of the noise's squared norm,
+    ``s_k^2 sqrt(2d)``, where it carries no information. Without noise this is
+    :func:`cosine_to`. Float64, clamped to [-1, 1].
+    """
+    u, v, extra = _with_noise(updates, directions, noise_sq)
+    width = v.shape[1]
+    floor = extra * (2.0 / width) ** 0.5  # (s^2 d) sqrt(2/d) = s^2 sqrt(2d)
+    v_norm = ((v * v).sum(1) - extra).clamp_min(floor).sqrt()
+    denom = u.norm(dim=1)[:, None] * v_norm[None, :]
+    safe = denom > 0
+    cos = torch.where(safe, (u @ v.T) / torch.where(safe, denom, 1.0), 0.0)
+    return cos.clamp(-1.0, 1.0)
+
+
+def _with_noise(
+    updates: ArrayLike, directions: ArrayLike, noise_sq: ArrayLike | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``updates`` and ``directions`` and the directions' expected squared
+    noise norms [K] (zeros for None), all float64."""
+    u, v = as_rows(updates, "updates"), as_rows(directions, "directions")
+    _check_same_width(u, v, "updates, directions")
+    if noise_sq is None:
+        return u, v, torch.zeros(len(v), dtype=torch.float64, device=v.device)
+    extra = torch.as_tensor(noise_sq, dtype=torch.float64, device=v.device).reshape(-1)
+    if len(extra) != len(v):
+        raise ConfigError(
+            f"noise_sq: expected {len(v)} values, one per direction, got {len(extra)}"
+        )
+    return u, v, extra
+
+
 def svd_directions(updates: ArrayLike, n_directions: int) -> torch.Tensor:
     """The top-``m`` SVD directions V [m, d] of the updates, in parameter space (FedGroup eq. 8).
 

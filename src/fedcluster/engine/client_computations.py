@@ -65,6 +65,13 @@ def release_trained(
     return {**reply, "row": rows}
 
 
+def release_chosen(request: Request, reply: Payload, clients: np.ndarray, seed: int) -> Payload:
+    """Local DP of the model each client trained from the cluster model it chose (the
+    request's shared ``models``, the reply's ``cluster``), where the client is."""
+    start = request.shared["models"][reply["cluster"].long()]
+    return release_trained(request, reply, clients, seed, start)
+
+
 def vector_release(field: str, purpose: str) -> Release:
     """The local-DP release of a reply whose ``field`` is one vector per client (CFLGT's
     trajectory, PACFL's subspace): client-level clipping and Gaussian noise where the

@@ -70,7 +70,8 @@ aggregate, and its cluster depends only on its own data and released models (IFC
 choice) or on the noisy sketches (DCFL, FedGroup). So does any algorithm whose device
 makes the choice (``choice_on_device: true``: JGL's eq. 4 on the device, from the
 released models and their released steps Δw_k; FeSEM's E-step against the released
-centres). The others cluster on individual updates or gradients (CFL, FL+HC, CFLGT,
+centres; DCFL's eq. 6 and FedGroup's eq. 9 against the released cluster steps, without
+sketches). The others cluster on individual updates or gradients (CFL, FL+HC, CFLGT,
 FeSEM's and JGL's server-side choices) and are refused."""
 
 History = Sequence[tuple[float, float, int]]
@@ -242,8 +243,8 @@ class CentralDP:
             raise ConfigError(
                 f"privacy.mode central: not available for {', '.join(refused)} (they cluster "
                 f"on individual uploads); allowed: {', '.join(sorted(CENTRAL_ALGORITHMS))}, "
-                "and JGL or FeSEM with choice_on_device: true (the device chooses from the "
-                "released models)"
+                "and JGL, FeSEM, DCFL or FedGroup with choice_on_device: true (the device "
+                "chooses from the released models)"
             )
         if p.accountant != "rdp":
             raise ConfigError("privacy.accountant: central DP composes with RDP; use rdp")
