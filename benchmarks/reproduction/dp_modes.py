@@ -67,6 +67,11 @@ ALGORITHMS = {
     # FeSEM's E-step on the device against the released (random-initialised) centres
     "fesem-device": "{name: fesem, label: fesem-device, "
     "params: {n_clusters: 4, init: random, choice_on_device: true}}",
+    # the private start: initial models from a DP clustering of the first updates
+    "ifca-private": "{name: ifca, label: ifca-private, "
+    "params: {n_clusters: 4, init: private, private_start: {clip: 0.4}}}",
+    "fesem-private": "{name: fesem, label: fesem-private, params: {n_clusters: 4, "
+    "init: private, private_start: {clip: 0.4}, choice_on_device: true}}",
 }
 # FedGroup's round-1 pre-training is one upload more than the rounds.
 BUDGET = "privacy.max_participations=16"
@@ -101,8 +106,14 @@ FEDERATIONS = {
         rotation(300, 60, 30, "{lr: 0.1, batch_size: 32, epochs: 1}", 0.4),
         {
             "local": (("privacy.mode=client",), ("fedavg", "ifca", "dcfl", "fedgroup")),
-            "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-init")),
-            "device": (("privacy.mode=central",), ("jgl-device", "fesem-device")),
+            "central": (
+                ("privacy.mode=central",),
+                ("fedavg", "ifca", "ifca-init", "ifca-private"),
+            ),
+            "device": (
+                ("privacy.mode=central",),
+                ("jgl-device", "fesem-device", "fesem-private"),
+            ),
             "sketch": (
                 ("privacy.mode=central", "privacy.sketch_dim=256", BUDGET),
                 ("dcfl", "fedgroup"),
