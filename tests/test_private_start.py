@@ -15,9 +15,11 @@ import torch
 from opacus.accountants import RDPAccountant
 from sklearn.metrics import adjusted_rand_score
 
+from fedcluster.algorithms.base import init_row
 from fedcluster.config.schema import PrivacyConfig, resolve_config
+from fedcluster.data.configured import build_federation_for
 from fedcluster.errors import ConfigError
-from fedcluster.experiment.runner import Experiment
+from fedcluster.experiment.runner import Experiment, model_for
 from fedcluster.privacy.central import calibrate_central, composed_epsilon
 from fedcluster.privacy.mechanisms import clip_rows
 from fedcluster.privacy.private_start import (
@@ -28,6 +30,7 @@ from fedcluster.privacy.private_start import (
     start_releases,
 )
 from fedcluster.rng import torch_rng
+from tests.helpers import FLOAT_BYTES
 from tests.test_central_dp import TINY
 
 pytestmark = [
@@ -122,12 +125,16 @@ def test_composed_epsilon_of_training_and_start_is_opacus_rdp():
     assert (starts / z_r**2) / (aggregates / z**2) == pytest.approx(0.25 / 0.75, rel=1e-9)
 
 
+def private_start_algorithms(extra: str = "") -> str:
+    start = f"init: private, private_start: {{sketch_dim: 8, iterations: 2{extra}}}"
+    return (
+        f"algorithms=[{{name: ifca, params: {{n_clusters: 2, {start}}}}}, "
+        f"{{name: fesem, params: {{n_clusters: 2, choice_on_device: true, {start}}}}}]"
+    )
+
+
 def private_ifca(extra: str = "") -> list[str]:
-    return [
-        *TINY,
-        "algorithms=[{name: ifca, params: {n_clusters: 2, init: private, "
-        f"private_start: {{sketch_dim: 8, iterations: 2{extra}}}}}}}]",
-    ]
+    return [*TINY, private_start_algorithms(extra)]
 
 
 def run_metrics(tmp_path, sets: list[str], rounds: int) -> list[dict[str, str]]:
@@ -139,18 +146,37 @@ def run_metrics(tmp_path, sets: list[str], rounds: int) -> list[dict[str, str]]:
 
 def test_a_private_start_run_reports_the_composed_epsilon_and_repeats(tmp_path):
     """Every client enters the start's T + 3 releases before round 1 and one aggregate per
-    round; the epsilon column is their RDP composition, and the calibrated budget is spent
-    (just under ε = 10) by the last round. The same seed gives the same numbers."""
+    round, with IFCA's loss choice or FeSEM's E-step on the device; the epsilon column is
+    their RDP composition, and the calibrated budget is spent (just under ε = 10) by the
+    last round. The same seed gives the same numbers."""
     rows = run_metrics(tmp_path / "a", private_ifca(), 2)
     again = run_metrics(tmp_path / "b", private_ifca(), 2)
     share = PrivacyConfig().start_share
     z, _, z_r = calibrate_central(10.0, 1e-5, 1.0, 2, 0, 0.5, start_releases(2), share)
+    assert {r["algorithm"] for r in rows} == {"ifca", "fesem"}
     for row in rows:
         history = [(z, 1.0, int(row["round"])), (z_r, 1.0, start_releases(2))]
         assert float(row["epsilon"]) == pytest.approx(composed_epsilon(history, 1e-5), rel=1e-9)
-    assert 9.99 < float(rows[-1]["epsilon"]) <= 10.0
-    keys = ("accuracy", "epsilon", "bytes_up")
+    assert all(9.99 < float(r["epsilon"]) <= 10.0 for r in rows if r["round"] == "2")
+    keys = ("algorithm", "accuracy", "epsilon", "bytes_up")
     assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in again]
+
+
+def test_without_dp_the_start_is_one_counted_training_upload_per_client(tmp_path):
+    """Without DP the same pipeline runs noise-free; the start's training exchange is
+    traffic of round 1: one model row up per client more than a random start's round."""
+    plain = [s for s in TINY if not s.startswith("privacy.")]
+    algorithms = (
+        "algorithms=[{name: ifca, label: random, params: {n_clusters: 2}}, "
+        "{name: ifca, label: private, params: {n_clusters: 2, init: private}}]"
+    )
+    rows = run_metrics(tmp_path, [*plain, algorithms], 1)
+    up = {r["algorithm"]: int(r["bytes_up"]) for r in rows}
+    config = resolve_config(None, "quickstart", [*plain, algorithms], {"rounds": 1})
+    federation = build_federation_for(config, 0)
+    dim = init_row(model_for(config, federation), 0, "init").numel()
+    assert up["private"] - up["random"] == federation.n_clients * dim * FLOAT_BYTES
+    assert all(r["epsilon"] == "" for r in rows)  # no DP: no ε
 
 
 def test_too_many_histogram_cells_are_one_line_naming_the_field(tmp_path):
