@@ -183,3 +183,9 @@ def test_too_many_histogram_cells_are_one_line_naming_the_field(tmp_path):
     sets = private_ifca(", grid: 200, seed_dims: 3")
     with pytest.raises(ConfigError, match="private_start.grid"):
         run_metrics(tmp_path, sets, 1)
+
+
+def test_a_start_and_sketches_that_leave_the_aggregates_no_budget_are_refused(tmp_path):
+    sets = [*private_ifca(), "privacy.sketch_dim=8", "privacy.sketch_share=0.6"]
+    with pytest.raises(ConfigError, match="privacy.start_share"):
+        run_metrics(tmp_path, sets, 1)

@@ -10,6 +10,10 @@ algorithms cluster on the uploads as post-processing). Each cell is the
 final pooled test accuracy and ARI, mean ± std over seeds; ε = ∞ is the run
 without privacy (shared by the modes of a federation).
 
+Rows ``ifca-private`` and ``fesem-private`` start the cluster models from the
+private start (``init: private``: a DP clustering of the clients' first
+updates, with ``privacy.start_share`` of the budget under central DP).
+
 Federations (``--federation``), both reductions of the docs' rotation preset
 (4 groups of 0/90/180/270 degrees) with multinomial logistic regression
 (``mclr``, d = 7,850), one local epoch, 15 rounds, full participation, δ = 1e-5:
