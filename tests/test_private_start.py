@@ -129,7 +129,8 @@ def private_start_algorithms(extra: str = "") -> str:
     start = f"init: private, private_start: {{sketch_dim: 8, iterations: 2{extra}}}"
     return (
         f"algorithms=[{{name: ifca, params: {{n_clusters: 2, {start}}}}}, "
-        f"{{name: fesem, params: {{n_clusters: 2, choice_on_device: true, {start}}}}}]"
+        f"{{name: fesem, params: {{n_clusters: 2, choice_on_device: true, {start}}}}}, "
+        f"{{name: jgl, params: {{n_clusters: 2, choice_on_device: true, {start}}}}}]"
     )
 
 
@@ -146,14 +147,14 @@ def run_metrics(tmp_path, sets: list[str], rounds: int) -> list[dict[str, str]]:
 
 def test_a_private_start_run_reports_the_composed_epsilon_and_repeats(tmp_path):
     """Every client enters the start's T + 3 releases before round 1 and one aggregate per
-    round, with IFCA's loss choice or FeSEM's E-step on the device; the epsilon column is
-    their RDP composition, and the calibrated budget is spent (just under ε = 10) by the
-    last round. The same seed gives the same numbers."""
+    round, whether IFCA's loss, FeSEM's E-step or JGL's eq. 4 on the device chooses; the
+    epsilon column is their RDP composition, and the calibrated budget is spent (just
+    under ε = 10) by the last round. The same seed gives the same numbers."""
     rows = run_metrics(tmp_path / "a", private_ifca(), 2)
     again = run_metrics(tmp_path / "b", private_ifca(), 2)
     share = PrivacyConfig().start_share
     z, _, z_r = calibrate_central(10.0, 1e-5, 1.0, 2, 0, 0.5, start_releases(2), share)
-    assert {r["algorithm"] for r in rows} == {"ifca", "fesem"}
+    assert {r["algorithm"] for r in rows} == {"ifca", "fesem", "jgl"}
     for row in rows:
         history = [(z, 1.0, int(row["round"])), (z_r, 1.0, start_releases(2))]
         assert float(row["epsilon"]) == pytest.approx(composed_epsilon(history, 1e-5), rel=1e-9)
