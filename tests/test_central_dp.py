@@ -87,7 +87,7 @@ def test_server_clusters_on_each_clients_mean_sketch_and_stops_at_its_releases()
 # --------------------------------------------------------------- accountant
 @pytest.mark.parametrize("q,aggregates,sketches", [(1.0, 20, 1), (1.0, 15, 3)])
 def test_composed_epsilon_is_opacus_rdp_of_the_history(q, aggregates, sketches):
-    z, z_s = calibrate_central(10.0, 1e-5, q, aggregates, sketches, 0.5)
+    z, z_s, _ = calibrate_central(10.0, 1e-5, q, aggregates, sketches, 0.5)
     acc = RDPAccountant()  # the independent computation: one step at a time
     for _ in range(aggregates):
         acc.step(noise_multiplier=z, sample_rate=q)
@@ -103,7 +103,7 @@ def test_composed_epsilon_is_opacus_rdp_of_the_history(q, aggregates, sketches):
 
 
 def test_without_sketches_calibration_is_opacus_get_noise_multiplier():
-    z, z_s = calibrate_central(3.0, 1e-5, 1.0, 30)
+    z, z_s, _ = calibrate_central(3.0, 1e-5, 1.0, 30)
     assert z_s == 0.0
     assert z == get_noise_multiplier(
         target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0, steps=30, accountant="rdp"

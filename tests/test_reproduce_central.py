@@ -21,7 +21,7 @@ def test_table1_central_settings_build_the_calibrated_mechanism(mode: str) -> No
     central = CentralDP.from_config(config, N_CLIENTS, 50, seed=0)
     sketches = 1 if mode == "sketch" else 0
     # every client may release each of the 60 rounds, at full participation
-    z, z_s = calibrate_central(10.0, 1e-5, 1.0, 60, sketches, 0.5)
+    z, z_s, _ = calibrate_central(10.0, 1e-5, 1.0, 60, sketches, 0.5)
     assert central.noise_multiplier == pytest.approx(z)
     assert central.sketch_noise == pytest.approx(z_s)
     # Andrew et al. 2021, Theorem 1: z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) with σ_b = 6

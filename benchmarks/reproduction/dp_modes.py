@@ -10,6 +10,10 @@ algorithms cluster on the uploads as post-processing). Each cell is the
 final pooled test accuracy and ARI, mean ± std over seeds; ε = ∞ is the run
 without privacy (shared by the modes of a federation).
 
+Rows ``ifca-private`` and ``fesem-private`` start the cluster models from the
+private start (``init: private``: a DP clustering of the clients' first
+updates, with ``privacy.start_share`` of the budget under central DP).
+
 Federations (``--federation``), reductions of the docs' rotation preset
 (4 groups of 0/90/180/270 degrees) with multinomial logistic regression
 (``mclr``, d = 7,850), one local epoch, 15 rounds, full participation, δ = 1e-5:
@@ -78,6 +82,11 @@ ALGORITHMS = {
     "params: {n_clusters: 4, choice_on_device: true}}",
     "fedgroup-device": "{name: fedgroup, label: fedgroup-device, "
     "params: {n_groups: 4, choice_on_device: true}}",
+    # the private start: initial models from a DP clustering of the first updates
+    "ifca-private": "{name: ifca, label: ifca-private, "
+    "params: {n_clusters: 4, init: private, private_start: {clip: START_CLIP}}}",
+    "fesem-private": "{name: fesem, label: fesem-private, params: {n_clusters: 4, "
+    "init: private, private_start: {clip: START_CLIP}, choice_on_device: true}}",
 }
 # FedGroup's round-1 pre-training is one upload more than the rounds.
 BUDGET = "privacy.max_participations=16"
@@ -129,8 +138,11 @@ def ifca_rotation(dataset: str, clip: float) -> tuple[str, ...]:
 # The populations DP needs: central noise on a cluster mean is z·C/n_k.
 POPULATION_EPSILONS = (1.0, 4.0, 8.0)
 POPULATION_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "central": (("privacy.mode=central",), ("fedavg", "ifca")),
-    "device": (("privacy.mode=central",), ("jgl-device", "fesem-device")),
+    "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-private")),
+    "device": (
+        ("privacy.mode=central",),
+        ("jgl-device", "fesem-device", "dcfl-device", "fedgroup-device"),
+    ),
 }
 
 FEDERATIONS = {
@@ -138,10 +150,13 @@ FEDERATIONS = {
         rotation(300, 60, 30, "{lr: 0.1, batch_size: 32, epochs: 1}", 0.4),
         {
             "local": (("privacy.mode=client",), ("fedavg", "ifca", "dcfl", "fedgroup")),
-            "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-init")),
+            "central": (
+                ("privacy.mode=central",),
+                ("fedavg", "ifca", "ifca-init", "ifca-private"),
+            ),
             "device": (
                 ("privacy.mode=central",),
-                ("jgl-device", "fesem-device", "dcfl-device", "fedgroup-device"),
+                ("jgl-device", "fesem-device", "fesem-private", "dcfl-device", "fedgroup-device"),
             ),
             "sketch": (
                 ("privacy.mode=central", "privacy.sketch_dim=256", BUDGET),
@@ -151,7 +166,10 @@ FEDERATIONS = {
         "runs/dp-modes",
     ),
     "mnist-2400": Federation(
-        ifca_rotation("mnist", 1.0), POPULATION_MODES, "runs/dp-mnist-2400", POPULATION_EPSILONS
+        ifca_rotation("mnist", 1.0),
+        POPULATION_MODES,
+        "runs/dp-mnist-2400",
+        POPULATION_EPSILONS,
     ),
     "fmnist-2400": Federation(
         ifca_rotation("fashion-mnist", 1.0),
@@ -165,6 +183,11 @@ FEDERATIONS = {
         "runs/dp-modes-records",
     ),
 }
+
+
+def clip_of(fed: Federation) -> float:
+    """The federation's privacy.clip, also the private start's clip without privacy."""
+    return next(float(s.split("=")[1]) for s in fed.sets if s.startswith("privacy.clip="))
 
 
 def settings(fed: Federation) -> list[tuple[str, float, tuple[str, ...], list[str]]]:
@@ -277,7 +300,9 @@ def main() -> None:
             if (mode, eps, seed) in done or mode not in modes or eps not in epsilons:
                 continue
             label = f"{mode}-eps{eps:g}"
-            specs = ", ".join(ALGORITHMS[a] for a in algorithms)
+            specs = ", ".join(
+                ALGORITHMS[a].replace("START_CLIP", str(clip_of(fed))) for a in algorithms
+            )
             summaries = run_setting(
                 "rotation",
                 [*fed.sets, f"algorithms=[{specs}]", *sets],

@@ -23,6 +23,7 @@ from fedcluster.algorithms.base import algorithm_params
 from fedcluster.algorithms.dcfl import DCFL
 from fedcluster.algorithms.direction_choice import PROBE_PURPOSE, direction_scores
 from fedcluster.algorithms.fedgroup import FedGroup
+from fedcluster.algorithms.ifca import IFCA
 from fedcluster.clustering.distances import (
     cosine_to_directions,
     dcfl_distance_to,
@@ -231,6 +232,22 @@ def test_the_device_choice_finds_the_rotation_groups_without_privacy(cls, seed):
     assert adjusted_rand_score(np.arange(fed.n_clients) % 4, state.assign) >= 0.9
 
 
+@pytest.mark.parametrize("cls", [DCFL, FedGroup])
+def test_init_private_starts_from_the_private_starts_models(cls):
+    """With ``init: private`` the K initial clusters are the private start's (the same
+    models IFCA's ``init: private`` gets from the same clients, seed and context), and
+    each cluster's first direction is its offset from their mean."""
+    ctx, _ = _setup(cls)
+    ifca_ctx, _ = _setup(cls)
+    params = {"n_clusters": 2} if cls is DCFL else {"n_groups": 2}
+    alg = cls(cls.Params(choice_on_device=True, init="private", **params), ctx)
+    ifca = IFCA(IFCA.Params(n_clusters=2, init="private"), ifca_ctx)
+    state, want = alg.init_state(), ifca.init_state()
+    torch.testing.assert_close(state.models, want.models, rtol=0, atol=0)
+    torch.testing.assert_close(state.directions, state.models - state.models.mean(0))
+    assert not torch.equal(state.models[0], state.models[1])
+
+
 def test_a_resumed_device_choice_under_central_dp_equals_the_uninterrupted_run(tmp_path):
     """The directions and their noise are server state: a checkpoint keeps them (and
     central DP its clip and ledger), so a run stopped after round 2 and resumed writes
@@ -272,6 +289,8 @@ def _rows(path) -> list[dict[str, str]]:
         ("fedgroup", {"choice_on_device": True, "rcc": True}, "rcc"),
         ("fedgroup", {"choice_on_device": True, "measure": "madc"}, "measure"),
         ("fedgrouprox", {"choice_on_device": True, "eta_g": 0.1}, "eta_g"),
+        ("dcfl", {"init": "private"}, "init: private needs choice_on_device"),
+        ("fedgroup", {"init": "private"}, "init: private needs choice_on_device"),
     ],
 )
 def test_settings_the_device_choice_cannot_use_are_refused_in_one_line(name, params, field):

@@ -59,6 +59,11 @@ CONFIG = {
             "label": "ifca-shared",
             "params": {**SMALL["ifca"], "shared_layers": "all_but_last"},
         },
+        {  # the private start's training exchange before round 1, on both backends
+            "name": "ifca",
+            "label": "ifca-private",
+            "params": {**SMALL["ifca"], "init": "private"},
+        },
     ],
 }
 

@@ -17,7 +17,10 @@ chooses its cluster every round, so a newcomer needs no special rule and a
 drifting client re-chooses by itself; the good initializer looks at the
 clients present at the start.
 
-Initial models are independent random initialisations, all equal, or IFCA's
+Initial models are independent random initialisations, all equal, the
+private start (:func:`private_initial_models`: every present client trains
+once from the initial model and a DP clustering of the updates gives each
+group's model, :mod:`fedcluster.privacy.private_start`), or IFCA's
 "good initializer": the reference code re-draws random initial models until
 every cluster is chosen (by loss) by at least ``min_cluster_share`` of the
 clients. That re-drawing uses knowledge a real server lacks, so its traffic is
@@ -59,9 +62,11 @@ from fedcluster.algorithms.base import (
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
-from fedcluster.engine.client_computations import LOSSES
+from fedcluster.engine.client_computations import LOSSES, TRAIN
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError
+from fedcluster.privacy.central import projection
+from fedcluster.privacy.private_start import PrivateStart, private_start
 from fedcluster.protocol.channel import Replies
 from fedcluster.protocol.computation import ClientComputation, Payload, Request, Settings
 from fedcluster.rng import derive_seed, numpy_rng
@@ -69,8 +74,13 @@ from fedcluster.rng import derive_seed, numpy_rng
 
 class ClusterModelParams(AlgorithmParams):
     n_clusters: int = Field(4, ge=1, description="number of cluster models K" + AUTO_HELP)
-    init: Literal["random", "same"] = Field(
-        "random", description="independent random initial models, or K copies of one"
+    init: Literal["random", "same", "private"] = Field(
+        "random",
+        description="independent random initial models, K copies of one, or the private "
+        "start: w0 plus each group's mean first update, groups found by DP clustering",
+    )
+    private_start: PrivateStart = Field(
+        default_factory=PrivateStart, description="the private start's parameters"
     )
     min_cluster_share: float = Field(
         0.0,
@@ -146,6 +156,31 @@ def shared_columns(
     return layout.columns(names)
 
 
+def private_initial_models(ctx: Context, k: int, params: PrivateStart, who: str) -> torch.Tensor:
+    """K initial models [K, d] from the private start (:mod:`fedcluster.privacy.private_start`):
+    the present clients train once from ``ctx.init_row`` (a counted training exchange before
+    round 1), and model k is w0 plus group k's released mean clipped update. Under central
+    DP the clip is its C_0 and the noise its start multiplier, and the start's releases enter
+    every participant's ledger."""
+    w0 = ctx.init_row
+    request = Request(
+        shared={"start": w0}, settings={"train": ctx.train, "round": 0, "purpose": "private-start"}
+    )
+    replies = ctx.ask(TRAIN, np.flatnonzero(ctx.present), request, 0)
+    if not len(replies.clients):
+        log.warning("%s: no client answered the private start; K copies of w0", who)
+        return w0.unsqueeze(0).repeat(k, 1)
+    central = ctx.central
+    clip, noise = (central.clip, central.start_noise) if central else (params.clip, 0.0)
+    matrix = projection(ctx.seed, ctx.dim, params.sketch_dim)
+    found = private_start(replies["row"] - w0, matrix, k, params, clip, noise, ctx.seed)
+    if central is not None:
+        central.record_start(replies.clients)
+    sizes = np.bincount(found.assign, minlength=k)
+    log.info("%s: private start, clients per group %s", who, sizes.tolist())
+    return w0 + found.updates
+
+
 @dataclass(frozen=True)
 class Choice:
     """The clients that chose (those that answered the decision query) and their clusters."""
@@ -212,6 +247,8 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
         ctx = self.ctx
         if p.init == "same":
             return ctx.init_row.unsqueeze(0).repeat(p.n_clusters, 1)
+        if p.init == "private":
+            return self.tie(private_initial_models(ctx, p.n_clusters, p.private_start, self.name))
         models = self.tie(ctx.fresh_rows(p.n_clusters, "cluster-init/0"))
         if p.min_cluster_share <= 0.0:
             return models

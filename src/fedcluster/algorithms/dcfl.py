@@ -93,13 +93,13 @@ from pydantic import Field, model_validator
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import (
     Algorithm,
-    AlgorithmParams,
     RoundOutput,
     State,
     register,
     weighted_loss,
 )
 from fedcluster.algorithms.direction_choice import (
+    DeviceStartParams,
     direction_round,
     initial_cluster_models,
     initial_directions,
@@ -125,7 +125,7 @@ class DCFLState(State):
     """The per-coordinate noise std of each direction [K] (central DP); empty otherwise."""
 
 
-class DCFLParams(AlgorithmParams):
+class DCFLParams(DeviceStartParams):
     variant: DcflVariant = Field(
         "complete",
         description="distance of Table II: complete (eq. 2), divergence, cosine or euclidean",
@@ -193,7 +193,7 @@ class DCFL(Algorithm[DCFLParams, DCFLState]):
         assign = np.full(ctx.n_clients, -1, dtype=np.int64)
         if self.params.choice_on_device:
             k = self.params.device_clusters
-            models = initial_cluster_models(ctx, k, self.name)
+            models = initial_cluster_models(ctx, k, self.name, self.params)
             directions = initial_directions(models)
             return DCFLState(models, assign, 0, directions, torch.zeros(k, dtype=torch.float64))
         empty = torch.zeros(0, ctx.dim)

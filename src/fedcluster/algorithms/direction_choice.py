@@ -48,29 +48,35 @@ term in the norm (:func:`~fedcluster.clustering.distances.cosine_to_directions`)
 server sends s_k (``direction_noise``) in the request's settings; without central DP it
 is 0 (local DP's noise on the uploads is not modelled).
 
-**Initial clusters.** K independent random models (:func:`initial_cluster_models`, the
-one place they come from): the rules that find clusters from individual updates (DCFL's
-affinity propagation and Dunn-index re-clustering, FedGroup's SVD + K-Means cold start)
-need the server to compare clients' updates, which the device choice exists to avoid.
+**Initial clusters.** K independent random models, or with ``init: private`` the
+private start's (:func:`initial_cluster_models`, the one place they come from; a DP
+clustering of the clients' first updates whose releases central DP accounts,
+:mod:`fedcluster.privacy.private_start`): the rules that find clusters from individual
+updates (DCFL's affinity propagation and Dunn-index re-clustering, FedGroup's SVD +
+K-Means cold start) need the server to compare clients' updates, which the device
+choice exists to avoid.
 Ties (equal scores) go to the lowest cluster index.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Literal, cast
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import Context, Exchange
+from fedcluster.algorithms.base import AlgorithmParams, Context, Exchange
+from fedcluster.algorithms.cluster_models import private_initial_models
 from fedcluster.clustering.distances import (
     DcflVariant,
     cosine_to_directions,
     dcfl_distance_to_directions,
 )
 from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range, release_chosen
+from fedcluster.privacy.private_start import PrivateStart
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
@@ -141,9 +147,36 @@ train the chosen model and upload it with the cluster id (counted: the model and
 int32). The probe stays on the device."""
 
 
-def initial_cluster_models(ctx: Context, k: int, who: str) -> torch.Tensor:
-    """The K initial cluster models [K, d] of a device choice: independent random models
-    (module docstring); the one place they come from."""
+class DeviceStartParams(AlgorithmParams):
+    """Where a device choice's K initial clusters come from (DCFL's and FedGroup's params)."""
+
+    init: Literal["random", "private"] = Field(
+        "random",
+        description="with choice_on_device: K independent random models, or the private "
+        "start (a DP clustering of the clients' first updates, docs/privacy.md)",
+    )
+    private_start: PrivateStart = Field(
+        default_factory=PrivateStart, description="the private start's parameters"
+    )
+
+    @model_validator(mode="after")
+    def _start_needs_device(self) -> DeviceStartParams:
+        if self.init == "private" and not getattr(self, "choice_on_device", False):
+            raise ValueError(
+                "init: private needs choice_on_device: the private start gives the K "
+                "initial clusters the devices choose from"
+            )
+        return self
+
+
+def initial_cluster_models(
+    ctx: Context, k: int, who: str, params: DeviceStartParams
+) -> torch.Tensor:
+    """The K initial cluster models [K, d] of a device choice (module docstring), the one
+    place they come from: independent random models, or the private start's
+    (:func:`~fedcluster.algorithms.cluster_models.private_initial_models`)."""
+    if params.init == "private":
+        return private_initial_models(ctx, k, params.private_start, who)
     return ctx.fresh_rows(k, f"{who}/device-init")
 
 

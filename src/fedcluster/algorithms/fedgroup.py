@@ -81,7 +81,6 @@ from pydantic import Field, model_validator
 from fedcluster.algorithms.aggregation import cluster_average, eval_rows_with_average
 from fedcluster.algorithms.base import (
     Algorithm,
-    AlgorithmParams,
     Exchange,
     RoundOutput,
     State,
@@ -91,6 +90,7 @@ from fedcluster.algorithms.base import (
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.direction_choice import (
+    DeviceStartParams,
     direction_round,
     initial_cluster_models,
     initial_directions,
@@ -120,7 +120,7 @@ class FedGroupState(State):
     cold_start_retries: int
 
 
-class FedGroupParams(AlgorithmParams):
+class FedGroupParams(DeviceStartParams):
     n_groups: int = Field(
         3, ge=1, description="number of groups m (paper: MNIST 3, others 5)" + AUTO_HELP
     )
@@ -202,7 +202,7 @@ class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
         assign = np.full(ctx.n_clients, -1, dtype=np.int64)
         noise = torch.zeros(m, dtype=torch.float64)
         if self.params.choice_on_device:
-            models = initial_cluster_models(ctx, m, self.name)
+            models = initial_cluster_models(ctx, m, self.name, self.params)
             return FedGroupState(models, initial_directions(models), noise, assign, True, 0)
         models = ctx.init_row.unsqueeze(0).repeat(m, 1)
         return FedGroupState(models, torch.zeros(m, ctx.dim), noise, assign, False, 0)

@@ -47,8 +47,10 @@ to the K released centres and uploads its model with the nearest centre's id; th
 server's M-step is unchanged and never compares individual models, which is what
 lets FeSEM run under central DP (:mod:`fedcluster.privacy.central`: the choice costs
 no budget, each clipped update joins one centre's sum). Its centres start as K
-random models (``init: random``): k-means++ seeding on the clients' models is a
-server-side look at individual updates.
+random models (``init: random``) or the private start (``init: private``, the
+groups of a DP clustering of the clients' first updates,
+:mod:`fedcluster.privacy.private_start`): k-means++ seeding on the clients'
+models is a server-side look at individual updates.
 
 Dynamic federations (:mod:`fedcluster.experiment.scenario`). A newcomer is a client
 without a cluster: it trains from the mean of the centres and the E-step
@@ -80,10 +82,12 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
+from fedcluster.algorithms.cluster_models import private_initial_models
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
 from fedcluster.clustering.distances import euclidean_distance_matrix
 from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range
 from fedcluster.errors import ConfigError
+from fedcluster.privacy.private_start import PrivateStart
 from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
 from fedcluster.rng import numpy_rng
@@ -93,10 +97,13 @@ class FeSEMParams(AlgorithmParams):
     n_clusters: int = Field(
         5, ge=1, description="number of centres K (CFLGT scenario 1: 5)" + AUTO_HELP
     )
-    init: Literal["clients", "random"] = Field(
+    init: Literal["clients", "random", "private"] = Field(
         "clients",
         description="centres: k-means++ seeds among the first round's local models, "
-        "or independent random models",
+        "independent random models, or the private start (DP clustering of first updates)",
+    )
+    private_start: PrivateStart = Field(
+        default_factory=PrivateStart, description="the private start's parameters"
     )
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="M-step average: uniform (FeSEM) or by sample count"
@@ -107,7 +114,7 @@ class FeSEMParams(AlgorithmParams):
     choice_on_device: bool = Field(
         False,
         description="the device runs the E-step: after training it picks the released centre "
-        "nearest its model and uploads both (needs init: random)",
+        "nearest its model and uploads both (needs init: random or private)",
     )
 
 
@@ -184,16 +191,19 @@ class FeSEM(Algorithm[FeSEMParams, FeSEMState]):
     def init_state(self) -> FeSEMState:
         ctx = self.ctx
         p = self.params
-        if p.choice_on_device and p.init != "random":
+        if p.choice_on_device and p.init == "clients":
             raise ConfigError(
                 "fesem.choice_on_device: the device chooses among released centres, so they "
-                "cannot be seeded from the clients' models; set init: random"
+                "cannot be seeded from the clients' models; set init: random or private"
             )
         if p.init == "random":
             centres = ctx.fresh_rows(p.n_clusters, "fesem/centres")
+        elif p.init == "private":
+            centres = private_initial_models(ctx, p.n_clusters, p.private_start, self.name)
         else:
             centres = ctx.init_row.unsqueeze(0).repeat(p.n_clusters, 1)
-        return FeSEMState(centres, np.full(ctx.n_clients, -1, dtype=np.int64), p.init == "random")
+        seeded = p.init != "clients"
+        return FeSEMState(centres, np.full(ctx.n_clients, -1, dtype=np.int64), seeded)
 
     def run_round(
         self, state: FeSEMState, rnd: int, selected: np.ndarray

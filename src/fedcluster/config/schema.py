@@ -212,6 +212,9 @@ class PrivacyConfig(_Strict):
     sketch_dim: int = Field(0, ge=0, description="central: sketch dimension k (0: no sketch)")
     sketch_share: float = Field(0.5, gt=0.0, lt=1.0, description="central: sketches' budget share")
     sketch_releases: int = Field(1, ge=1, description="central: sketches a client releases")
+    start_share: float = Field(
+        0.5, gt=0.0, lt=1.0, description="central: the private start's budget share"
+    )
     target_quantile: float = Field(0.5, gt=0.0, lt=1.0, description="central: clip quantile γ")
     clip_lr: float = Field(0.2, ge=0.0, description="central: clip learning rate η_C (0: fixed)")
     count_noise: float | None = Field(

@@ -77,6 +77,7 @@ from fedcluster.models import (
 )
 from fedcluster.privacy.central import CentralDP
 from fedcluster.privacy.ledger import LocalDP, reported_epsilon
+from fedcluster.privacy.private_start import planned_start_releases
 from fedcluster.protocol.backend import Backend, FederationView
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.channel import UpdateBound
@@ -416,7 +417,10 @@ class Job:
             federation = flip_labels(federation, flippers)  # where they train (Flower: the node)
         self.backend = experiment.backend_factory.backend(model, federation, seed)
         self.privacy = LocalDP.from_config(cfg, federation.train_sizes, seed)
-        self.central = CentralDP.from_config(cfg, federation.n_clients, len(start_row), seed)
+        starts = planned_start_releases(spec.params)
+        self.central = CentralDP.from_config(
+            cfg, federation.n_clients, len(start_row), seed, starts
+        )
         ctx = Context.for_backend(
             self.backend,
             LocalTraining(**cfg.train.model_dump(exclude={"loss"})),

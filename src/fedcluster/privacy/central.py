@@ -35,11 +35,13 @@ local forms):
   sizes n_k the aggregates divide by are public.
 
 Accounting (Opacus' RDP accountant, ``opacus.accountants``): per client, the
-history [(z, q, aggregate releases), (z_s, 1, sketch releases)], with q the
-participation rate; composed by RDP and converted at δ. Calibration finds the
-largest total precision P = A/z² + S/z_s² (A aggregate releases and S sketches
-budgeted) whose history spends at most ε, and gives the sketches the share
-``sketch_share`` of it (binary search; each ε is Opacus'). Simulation only:
+history [(z, q, aggregate releases), (z_s, 1, sketch releases), (z_r, 1,
+private start releases)], with q the participation rate; composed by RDP and
+converted at δ. Calibration finds the largest total precision P = A/z² +
+S/z_s² + R/z_r² (A aggregate releases, S sketches and R releases of the
+private start, :mod:`fedcluster.privacy.private_start`, budgeted) whose
+history spends at most ε, and gives the sketches the share ``sketch_share``
+and the start ``start_share`` of it (binary search; each ε is Opacus'). Simulation only:
 the sketch is computed beside the server from the upload (the same numbers a
 client would send), and the trusted aggregation is the server's.
 """
@@ -98,12 +100,22 @@ def _composed_epsilon(history: tuple[tuple[float, float, int], ...], delta: floa
 
 
 def split_noise(
-    precision: float, aggregates: int, sketches: int, share: float
-) -> tuple[float, float]:
-    """``(z, z_s)`` giving the sketches ``share`` of the total precision A/z² + S/z_s²."""
-    z = math.sqrt(aggregates / ((1.0 - share) * precision)) if aggregates else 0.0
-    z_s = math.sqrt(sketches / (share * precision)) if sketches else 0.0
-    return z, z_s
+    precision: float,
+    aggregates: int,
+    sketches: int,
+    share: float,
+    starts: int = 0,
+    start_share: float = 0.0,
+) -> tuple[float, float, float]:
+    """``(z, z_s, z_r)`` giving the sketches ``share`` and the private start ``start_share``
+    of the total precision A/z² + S/z_s² + R/z_r² (the aggregates the rest)."""
+    sketch_part = share if sketches else 0.0
+    start_part = start_share if starts else 0.0
+    rest = 1.0 - sketch_part - start_part
+    z = math.sqrt(aggregates / (rest * precision)) if aggregates else 0.0
+    z_s = math.sqrt(sketches / (sketch_part * precision)) if sketches else 0.0
+    z_r = math.sqrt(starts / (start_part * precision)) if starts else 0.0
+    return z, z_s, z_r
 
 
 @lru_cache(maxsize=256)
@@ -114,13 +126,17 @@ def calibrate_central(
     aggregates: int,
     sketches: int = 0,
     share: float = 0.5,
-) -> tuple[float, float]:
-    """``(z, z_s)``: noise multipliers with which ``aggregates`` releases at rate q and
-    ``sketches`` releases at rate 1 compose to at most (ε, δ) (module docstring).
+    starts: int = 0,
+    start_share: float = 0.0,
+) -> tuple[float, float, float]:
+    """``(z, z_s, z_r)``: noise multipliers with which ``aggregates`` releases at rate q,
+    ``sketches`` releases at rate 1 and the private start's ``starts`` releases at rate 1
+    compose to at most (ε, δ) (module docstring).
 
-    Without sketches this is Opacus' ``get_noise_multiplier`` for the aggregates alone.
+    With neither sketches nor a start this is Opacus' ``get_noise_multiplier`` for the
+    aggregates alone.
     """
-    if sketches == 0:
+    if sketches == 0 and starts == 0:
         with _quiet():
             z = _opacus().get_noise_multiplier(
                 target_epsilon=epsilon,
@@ -129,11 +145,13 @@ def calibrate_central(
                 steps=aggregates,
                 accountant="rdp",
             )
-        return float(z), 0.0
+        return float(z), 0.0, 0.0
 
     def eps(precision: float) -> float:
-        z, z_s = split_noise(precision, aggregates, sketches, share)
-        return composed_epsilon([(z, sample_rate, aggregates), (z_s, 1.0, sketches)], delta)
+        z, z_s, z_r = split_noise(precision, aggregates, sketches, share, starts, start_share)
+        return composed_epsilon(
+            [(z, sample_rate, aggregates), (z_s, 1.0, sketches), (z_r, 1.0, starts)], delta
+        )
 
     low, high = 1e-6, 1.0
     while eps(high) < epsilon:
@@ -141,7 +159,7 @@ def calibrate_central(
     while high - low > 1e-4 * high:  # ε grows with the precision
         mid = (low + high) / 2
         low, high = (mid, high) if eps(mid) <= epsilon else (low, mid)
-    return split_noise(low, aggregates, sketches, share)
+    return split_noise(low, aggregates, sketches, share, starts, start_share)
 
 
 def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
@@ -209,11 +227,16 @@ class CentralDP:
     sketch_noise: float = 0.0
     sketch_releases: int = 0
     target_epsilon: float | None = None
+    start_noise: float = 0.0
+    """z_r of each release of the private start (:mod:`fedcluster.privacy.private_start`)."""
+    start_releases: int = 0
+    """Releases of the private start each client present at the start enters."""
 
     def __post_init__(self) -> None:
         self.update_noise = update_noise_multiplier(self.noise_multiplier, self.count_noise)
         self.releases = np.zeros(self.n_clients, dtype=np.int64)
         self.sketched = np.zeros(self.n_clients, dtype=np.int64)
+        self.started = np.zeros(self.n_clients, dtype=np.int64)
         k = 0 if self.sketch_matrix is None else len(self.sketch_matrix)
         self.sketch_sum = torch.zeros(self.n_clients, k)
         self.round = 0
@@ -222,9 +245,10 @@ class CentralDP:
 
     @classmethod
     def from_config(
-        cls, config: ExperimentConfig, n_clients: int, dim: int, seed: int
+        cls, config: ExperimentConfig, n_clients: int, dim: int, seed: int, starts: int = 0
     ) -> CentralDP | None:
-        """The job's central DP from the ``privacy`` section (None unless ``mode: central``)."""
+        """The job's central DP from the ``privacy`` section (None unless ``mode: central``);
+        ``starts``: the releases of the job's private start (0: none)."""
         from fedcluster.privacy.ledger import max_participations, participation_rate
 
         p = config.privacy
@@ -256,7 +280,14 @@ class CentralDP:
         uploads = max_participations(config, n_clients)
         q = participation_rate(config, n_clients)
         sketches = min(p.sketch_releases, uploads) if p.sketch_dim else 0
-        z, z_s = calibrate_central(p.epsilon, p.delta, q, uploads, sketches, p.sketch_share)
+        if sketches and starts and p.sketch_share + p.start_share >= 1.0:
+            raise ConfigError(
+                f"privacy.start_share: {p.start_share:g} with sketch_share "
+                f"{p.sketch_share:g} leaves nothing for the aggregates; their sum must be < 1"
+            )
+        z, z_s, z_r = calibrate_central(
+            p.epsilon, p.delta, q, uploads, sketches, p.sketch_share, starts, p.start_share
+        )
         count_noise = p.count_noise if p.count_noise is not None else q * n_clients / 20.0
         return cls(
             n_clients,
@@ -272,6 +303,8 @@ class CentralDP:
             z_s,
             sketches,
             p.epsilon,
+            z_r,
+            starts,
         )
 
     # ------------------------------------------------------------- rounds
@@ -341,19 +374,25 @@ class CentralDP:
         total += gaussian_noise(total.shape, self.update_noise * self.clip, gen)
         return base.mean(dim=0) + total / len(rows)
 
+    def record_start(self, clients: np.ndarray) -> None:
+        """Enter the private start's releases for the ``clients`` that took part."""
+        self.started[clients] += self.start_releases
+
     # ---------------------------------------------------------- accounting
     def epsilons(self) -> np.ndarray:
-        """ε spent so far by every client: its aggregates and sketches composed by RDP."""
+        """ε spent so far by every client: its aggregates, sketches and private start's
+        releases composed by RDP."""
         return np.array(
             [
                 composed_epsilon(
                     [
                         (self.noise_multiplier, self.sample_rate, int(a)),
                         (self.sketch_noise, 1.0, int(s)),
+                        (self.start_noise, 1.0, int(r)),
                     ],
                     self.delta,
                 )
-                for a, s in zip(self.releases, self.sketched, strict=True)
+                for a, s, r in zip(self.releases, self.sketched, self.started, strict=True)
             ]
         )
 
@@ -369,6 +408,7 @@ class CentralDP:
         return {
             "releases": self.releases.tolist(),
             "sketched": self.sketched.tolist(),
+            "started": self.started.tolist(),
             "sketch_sum": self.sketch_sum.tolist(),
             "clip": self.clip,
         }
@@ -378,6 +418,7 @@ class CentralDP:
             return
         self.releases = np.asarray(state["releases"], dtype=np.int64).copy()
         self.sketched = np.asarray(state["sketched"], dtype=np.int64).copy()
+        self.started = np.asarray(state["started"], dtype=np.int64).copy()
         self.sketch_sum = torch.as_tensor(state["sketch_sum"], dtype=torch.float32).reshape(
             self.sketch_sum.shape
         )
