@@ -87,6 +87,10 @@ ALGORITHMS = {
     "params: {n_clusters: 4, init: private, private_start: {clip: START_CLIP}}}",
     "fesem-private": "{name: fesem, label: fesem-private, params: {n_clusters: 4, "
     "init: private, private_start: {clip: START_CLIP}, choice_on_device: true}}",
+    "dcfl-private": "{name: dcfl, label: dcfl-private, params: {n_clusters: 4, "
+    "choice_on_device: true, init: private, private_start: {clip: START_CLIP}}}",
+    "fedgroup-private": "{name: fedgroup, label: fedgroup-private, params: {n_groups: 4, "
+    "choice_on_device: true, init: private, private_start: {clip: START_CLIP}}}",
 }
 # FedGroup's round-1 pre-training is one upload more than the rounds.
 BUDGET = "privacy.max_participations=16"
@@ -138,10 +142,14 @@ def ifca_rotation(dataset: str, clip: float) -> tuple[str, ...]:
 # The populations DP needs: central noise on a cluster mean is z·C/n_k.
 POPULATION_EPSILONS = (1.0, 4.0, 8.0)
 POPULATION_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "central": (("privacy.mode=central",), ("fedavg", "ifca", "ifca-private")),
+    "central": (("privacy.mode=central",), ("fedavg", "ifca")),
     "device": (
         ("privacy.mode=central",),
         ("jgl-device", "fesem-device", "dcfl-device", "fedgroup-device"),
+    ),
+    "private": (
+        ("privacy.mode=central",),
+        ("ifca-private", "dcfl-private", "fedgroup-private"),
     ),
 }
 
@@ -294,20 +302,24 @@ def main() -> None:
     out = Path(args.out or fed.out)
     path = out / "dp_modes.json"
     results: list[dict] = json.loads(path.read_text()) if path.exists() else []
-    done = {(r["mode"], r["eps"], r["seed"]) for r in results}
+    done = {(r["mode"], r["eps"], r["seed"], r["algorithm"]) for r in results}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for mode, eps, algorithms, sets in settings(fed):
-            if (mode, eps, seed) in done or mode not in modes or eps not in epsilons:
+            missing = [a for a in algorithms if (mode, eps, seed, a) not in done]
+            if not missing or mode not in modes or eps not in epsilons:
                 continue
             label = f"{mode}-eps{eps:g}"
+            run_dir = out / label / f"seed{seed}"
+            if len(missing) < len(algorithms):  # algorithms added since: their own run
+                run_dir = run_dir.with_name(f"seed{seed}-{'-'.join(missing)}")
             specs = ", ".join(
-                ALGORITHMS[a].replace("START_CLIP", str(clip_of(fed))) for a in algorithms
+                ALGORITHMS[a].replace("START_CLIP", str(clip_of(fed))) for a in missing
             )
             summaries = run_setting(
                 "rotation",
                 [*fed.sets, f"algorithms=[{specs}]", *sets],
                 1,
-                out / label / f"seed{seed}",
+                run_dir,
                 args.data_dir,
                 args.rounds,
                 first_seed=seed,
