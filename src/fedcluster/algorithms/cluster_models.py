@@ -66,7 +66,7 @@ from fedcluster.engine.client_computations import LOSSES, TRAIN
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError
 from fedcluster.privacy.central import projection
-from fedcluster.privacy.private_start import PrivateStart, private_start
+from fedcluster.privacy.private_start import PrivateStart, private_start, private_start_field
 from fedcluster.protocol.channel import Replies
 from fedcluster.protocol.computation import ClientComputation, Payload, Request, Settings
 from fedcluster.rng import derive_seed, numpy_rng
@@ -79,9 +79,7 @@ class ClusterModelParams(AlgorithmParams):
         description="independent random initial models, K copies of one, or the private "
         "start: w0 plus each group's mean first update, groups found by DP clustering",
     )
-    private_start: PrivateStart = Field(
-        default_factory=PrivateStart, description="the private start's parameters"
-    )
+    private_start: PrivateStart = private_start_field()
     min_cluster_share: float = Field(
         0.0,
         ge=0.0,

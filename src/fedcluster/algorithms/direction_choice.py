@@ -76,7 +76,7 @@ from fedcluster.clustering.distances import (
     dcfl_distance_to_directions,
 )
 from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range, release_chosen
-from fedcluster.privacy.private_start import PrivateStart
+from fedcluster.privacy.private_start import PrivateStart, private_start_field
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
@@ -155,9 +155,7 @@ class DeviceStartParams(AlgorithmParams):
         description="with choice_on_device: K independent random models, or the private "
         "start (a DP clustering of the clients' first updates, docs/privacy.md)",
     )
-    private_start: PrivateStart = Field(
-        default_factory=PrivateStart, description="the private start's parameters"
-    )
+    private_start: PrivateStart = private_start_field()
 
     @model_validator(mode="after")
     def _start_needs_device(self) -> DeviceStartParams:

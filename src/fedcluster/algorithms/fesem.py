@@ -87,7 +87,7 @@ from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_dia
 from fedcluster.clustering.distances import euclidean_distance_matrix
 from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range
 from fedcluster.errors import ConfigError
-from fedcluster.privacy.private_start import PrivateStart
+from fedcluster.privacy.private_start import PrivateStart, private_start_field
 from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
 from fedcluster.rng import numpy_rng
@@ -102,9 +102,7 @@ class FeSEMParams(AlgorithmParams):
         description="centres: k-means++ seeds among the first round's local models, "
         "independent random models, or the private start (DP clustering of first updates)",
     )
-    private_start: PrivateStart = Field(
-        default_factory=PrivateStart, description="the private start's parameters"
-    )
+    private_start: PrivateStart = private_start_field()
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="M-step average: uniform (FeSEM) or by sample count"
     )

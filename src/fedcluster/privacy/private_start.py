@@ -87,6 +87,11 @@ class PrivateStart(BaseModel):
         return start_releases(self.iterations)
 
 
+def private_start_field() -> Any:
+    """The ``private_start`` field of an algorithm's params (``init: private``)."""
+    return Field(default_factory=PrivateStart, description="the private start's parameters")
+
+
 def start_releases(iterations: int) -> int:
     """The start's Gaussian releases with T = ``iterations`` (module docstring)."""
     return iterations + 3
