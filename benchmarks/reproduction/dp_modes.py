@@ -310,7 +310,7 @@ def main() -> None:
                 continue
             label = f"{mode}-eps{eps:g}"
             run_dir = out / label / f"seed{seed}"
-            if len(missing) < len(algorithms):  # algorithms added since: their own run
+            if len(missing) < len(algorithms) or run_dir.exists():  # added or interrupted
                 run_dir = run_dir.with_name(f"seed{seed}-{'-'.join(missing)}")
             specs = ", ".join(
                 ALGORITHMS[a].replace("START_CLIP", str(clip_of(fed))) for a in missing
