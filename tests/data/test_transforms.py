@@ -63,6 +63,15 @@ def test_three_bilinear_thirds_return_close_to_identity() -> None:
     assert (out - x)[..., disk].abs().max() < 0.05
 
 
+@pytest.mark.parametrize("degrees", [90.0, 72.0])
+def test_a_client_without_images_rotates_to_no_images(degrees) -> None:
+    """A client left without test images (a label shift can keep none of its classes)
+    rotates to the same empty batch, by quarter turns or by interpolation."""
+    empty = torch.zeros(0, 1, 28, 28, dtype=torch.uint8)
+    out = rotate_images(empty, degrees)
+    assert out.shape == empty.shape and out.dtype == empty.dtype
+
+
 def test_rotate_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="N, C, H, W"):
         rotate_images(torch.zeros(5, 5), 30)

@@ -58,7 +58,7 @@ def rotate_images(x: torch.Tensor, degrees: float) -> torch.Tensor:
     if not math.isfinite(degrees):
         raise ValueError(f"rotate_images: angle must be finite, got {degrees}")
     quarter_turns = degrees / 90.0
-    if quarter_turns == round(quarter_turns):
+    if quarter_turns == round(quarter_turns) or len(x) == 0:  # no image: nothing to turn
         return torch.rot90(x, int(round(quarter_turns)) % 4, dims=(-2, -1))
     n, _, h, w = x.shape
     theta = math.radians(degrees)

@@ -261,9 +261,24 @@ class WorkerGroup:
     def alive(self) -> list[int]:
         return [r for r in self.ranks if r not in self.lost]
 
+    def exited(self, rank: int) -> int | None:
+        """The exit code of a worker process this group started, once it has ended (None
+        while it runs, and for ranks started by torchrun)."""
+        if rank > len(self.processes):
+            return None
+        return self.processes[rank - 1].exitcode
+
     def send(self, rank: int, message: Any) -> bool:
-        """Send ``message`` to a live worker; False (and the worker lost) when it is gone."""
+        """Send ``message`` to a live worker; False (and the worker lost) when it is gone.
+
+        A worker process of this group that has ended is lost before anything is sent: a
+        send to a peer killed between two messages may otherwise wait for the transport's
+        timeout (``TIMEOUT``) instead of failing."""
         if rank in self.lost:
+            return False
+        code = self.exited(rank)
+        if code is not None:
+            self.lose(rank, RuntimeError(f"its process ended (exit code {code})"))
             return False
         try:
             _send(message, rank)
