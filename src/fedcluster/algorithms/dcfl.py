@@ -257,16 +257,9 @@ class DCFL(Algorithm[DCFLParams, DCFLState]):
         ex = done.exchange
         if not len(ex.clients):
             return RoundOutput(state, float("nan"))
-        assign = state.assign.copy()
-        assign[ex.clients] = done.choice
-        new = replace(
-            state,
-            models=done.models,
-            assign=assign,
-            directions=done.directions,
-            direction_noise=done.noise,
+        return RoundOutput(
+            done.applied(state), weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients])
         )
-        return RoundOutput(new, weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients]))
 
     def _sample(self, n: int, rnd: int) -> np.ndarray | None:
         """Positions (sorted) of the round's updates the clustering runs on when there

@@ -61,7 +61,7 @@ Ties (equal scores) go to the lowest cluster index.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -80,6 +80,9 @@ from fedcluster.privacy.private_start import PrivateStart, private_start_field
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.client_side import ClientBatch
 from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
+
+DeviceState = TypeVar("DeviceState")
+"""DCFL's or FedGroup's state (:meth:`DirectionRound.applied`)."""
 
 PROBE_PURPOSE = "probe"
 """The batch stream of the probe training from W_G (the chosen model trains on ``train``'s)."""
@@ -193,6 +196,22 @@ class DirectionRound:
     models: torch.Tensor
     directions: torch.Tensor
     noise: torch.Tensor
+
+    def applied(self, state: DeviceState) -> DeviceState:
+        """``state`` (a dataclass with ``models``, ``assign``, ``directions`` and
+        ``direction_noise``) after this round: the new models, directions and noise, and
+        the accepted clients' clusters."""
+        fields: Any = state
+        assign = fields.assign.copy()
+        assign[self.exchange.clients] = self.choice
+        new = replace(
+            fields,
+            models=self.models,
+            assign=assign,
+            directions=self.directions,
+            direction_noise=self.noise,
+        )
+        return cast(DeviceState, new)
 
 
 def direction_round(

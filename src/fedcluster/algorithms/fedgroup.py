@@ -248,16 +248,7 @@ class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
         ex = done.exchange
         if not len(ex.clients):
             return RoundOutput(state, float("nan"))
-        assign = state.assign.copy()
-        assign[ex.clients] = done.choice
-        new = replace(
-            state,
-            models=done.models,
-            directions=done.directions,
-            direction_noise=done.noise,
-            assign=assign,
-        )
-        return RoundOutput(new, weighted_loss(ex.loss, ctx.train_sizes[ex.clients]))
+        return RoundOutput(done.applied(state), weighted_loss(ex.loss, ctx.train_sizes[ex.clients]))
 
     def pretrain(self, clients: np.ndarray) -> Exchange:
         """Clients receive w0, train ``pretrain_epochs`` from it and upload.
