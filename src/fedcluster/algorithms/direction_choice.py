@@ -75,11 +75,11 @@ from fedcluster.clustering.distances import (
     cosine_to_directions,
     dcfl_distance_to_directions,
 )
-from fedcluster.engine.client_computations import TRAIN, cluster_ids_in_range, release_chosen
+from fedcluster.engine.client_computations import TRAIN, chosen_start_training
 from fedcluster.privacy.private_start import PrivateStart, private_start_field
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.client_side import ClientBatch
-from fedcluster.protocol.computation import Payload, ReplyField, Request, register_computation
+from fedcluster.protocol.computation import Payload, Request, register_computation
 
 DeviceState = TypeVar("DeviceState")
 """DCFL's or FedGroup's state (:meth:`DirectionRound.applied`)."""
@@ -128,20 +128,7 @@ def _choose_by_direction_and_train(batch: ClientBatch, request: Request) -> Payl
 
 
 DIRECTION_CHOOSE_AND_TRAIN = register_computation(
-    replace(  # a training (its DP release, cost and update bound) that chooses its start
-        TRAIN,
-        name="direction-choose-and-train",
-        reply={
-            **TRAIN.reply,
-            "row": ReplyField(lambda r: (r.shared["models"].shape[1],)),
-            "cluster": ReplyField((), dtype=torch.int32),
-        },
-        batched_run=_choose_by_direction_and_train,
-        release=release_chosen,
-        update=("row", "models"),
-        start_index="cluster",
-        check=cluster_ids_in_range("models"),
-    )
+    chosen_start_training("direction-choose-and-train", _choose_by_direction_and_train)
 )
 """DCFL's eq. 6 or FedGroup's eq. 9 on the device (``choice_on_device``): receive the K
 models and their released directions (and the rule, the directions' noise per

@@ -52,7 +52,6 @@ simulator computes without forming the K gradients of d floats per device
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -71,9 +70,8 @@ from fedcluster.engine.client_computations import (
     DECISION_EXEMPTION,
     LOSSES,
     TRAIN,
-    cluster_ids_in_range,
+    chosen_start_training,
     n_models,
-    release_chosen,
 )
 from fedcluster.protocol.channel import Replies
 from fedcluster.protocol.client_side import ClientBatch
@@ -258,20 +256,10 @@ def _choose_and_train(batch: ClientBatch, request: Request) -> Payload:
 
 
 CHOOSE_AND_TRAIN = register_computation(
-    replace(  # a training (its DP release, cost and update bound) that chooses its start
-        TRAIN,
-        name="choose-and-train",
-        reply={
-            **TRAIN.reply,
-            "row": ReplyField(lambda r: (r.shared["models"].shape[1],)),
-            "cluster": ReplyField((), dtype=torch.int32),
-            "differs": ReplyField((), counted=False, dtype=torch.int64),
-        },
-        batched_run=_choose_and_train,
-        release=release_chosen,
-        update=("row", "models"),
-        start_index="cluster",
-        check=cluster_ids_in_range("models"),
+    chosen_start_training(
+        "choose-and-train",
+        _choose_and_train,
+        {"differs": ReplyField((), counted=False, dtype=torch.int64)},
     )
 )
 """JGL Alg. 1 on the device (``choice_on_device``): receive the K models (JGL: and

@@ -17,6 +17,7 @@ Settings (``Request.settings``): ``train`` (a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -127,6 +128,32 @@ def cluster_ids_in_range(
         ]
 
     return check
+
+
+def chosen_start_training(
+    name: str,
+    batched_run: Callable[[ClientBatch, Request], Payload],
+    extra_reply: dict[str, ReplyField] | None = None,
+) -> ClientComputation:
+    """A training whose client chooses its start among the request's shared ``models``
+    and reports the choice as ``cluster`` (JGL's and IFCA's choose-and-train, DCFL's and
+    FedGroup's direction choice): :data:`TRAIN`'s reply, DP release, cost and update
+    bound, taken from the chosen model, and the cluster ids checked against K."""
+    return replace(
+        TRAIN,
+        name=name,
+        reply={
+            **TRAIN.reply,
+            "row": ReplyField(lambda r: (r.shared["models"].shape[1],)),
+            "cluster": ReplyField((), dtype=torch.int32),
+            **(extra_reply or {}),
+        },
+        batched_run=batched_run,
+        release=release_chosen,
+        update=("row", "models"),
+        start_index="cluster",
+        check=cluster_ids_in_range("models"),
+    )
 
 
 def n_models(request: Request) -> tuple[int, ...]:
