@@ -27,7 +27,8 @@ Federations (``--federation``), reductions of the docs' rotation preset
   and 250 test images, the whole of Fashion-MNIST's 70,000; lr 0.3, B = 64,
   clip 1 per sample. DP-SGD's noise per step is σ·C/(q·n) per coordinate, so
   clients with many records keep their uploads informative.
-- ``mnist-2400`` and ``fmnist-2400`` (modes central, device; ε = 1, 4, 8): the
+- ``mnist-2400`` and ``fmnist-2400`` (modes central, device, private, secure; ε = 1,
+  4, 8; ``secure``: the server receives only each cluster's sum): the
   population sizes DP needs, IFCA's rotated MNIST (Ghosh et al., NeurIPS 2020,
   Sec. 5.2: 2,400 clients of 100 images, 600 per rotation) and the same on
   Fashion-MNIST, mclr with IFCA's local training (10 full-batch steps at lr 0.1),
@@ -72,6 +73,9 @@ ALGORITHMS = {
     "fedgroup": "{name: fedgroup, params: {n_groups: 4}}",
     # IFCA's good initializer: initial models re-drawn until each is chosen by ≥ 20%
     "ifca-init": "{name: ifca, label: ifca-init, params: {n_clusters: 4, min_cluster_share: 0.2}}",
+    # IFCA's choice (lowest loss) on the device: what secure aggregation needs
+    "ifca-device": "{name: ifca, label: ifca-device, "
+    "params: {n_clusters: 4, choice_on_device: true}}",
     # JGL's choice (eq. 4) made on the device from the released models and steps
     "jgl-device": "{name: jgl, label: jgl-device, params: {n_clusters: 4, choice_on_device: true}}",
     # FeSEM's E-step on the device against the released (random-initialised) centres
@@ -150,6 +154,10 @@ POPULATION_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "private": (
         ("privacy.mode=central",),
         ("ifca-private", "dcfl-private", "fedgroup-private"),
+    ),
+    "secure": (
+        ("privacy.mode=central", "privacy.secure_aggregation=true"),
+        ("fedavg", "ifca-device", "dcfl-device", "fedgroup-device"),
     ),
 }
 

@@ -42,6 +42,12 @@ from fedcluster.protocol.backend import Backend, FederationView
 from fedcluster.protocol.batches import LocalTraining
 from fedcluster.protocol.channel import Channel, Replies, UpdateBound
 from fedcluster.protocol.computation import ClientComputation, Request
+from fedcluster.protocol.secure_sum import (
+    SECURE_SHARE,
+    SecureTotal,
+    secure_request,
+    start_models,
+)
 
 if TYPE_CHECKING:
     from fedcluster.engine.flat import ParamLayout
@@ -197,6 +203,9 @@ class Context:
     central: CentralDP | None = None
     """Central DP (:mod:`fedcluster.privacy.central`): then also :attr:`aggregate`; it sees
     every accepted training upload and holds the clients' noisy sketches."""
+    secure: bool = False
+    """Secure aggregation under central DP (``privacy.secure_aggregation``): the server
+    receives only sums of the devices' contributions (:meth:`secure_total`)."""
 
     @classmethod
     def for_backend(
@@ -337,17 +346,28 @@ class Context:
         updates are rejected (:class:`~fedcluster.protocol.channel.Channel`).
         """
         clients = np.asarray(clients, dtype=np.int64)
+        request = self.training_request(start, rnd, cfg, purpose, held)
+        replies = self.channel.ask(TRAIN, clients, request, rnd, metadata_ints=ints)
+        kept = start if start.dim() == 1 else start[torch.as_tensor(replies.keep)]
+        self.observe_uploads(replies.clients, kept, replies["row"])
+        return Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
+
+    def training_request(
+        self,
+        start: torch.Tensor,
+        rnd: int,
+        cfg: LocalTraining | None = None,
+        purpose: str = "train",
+        held: bool = False,
+    ) -> Request:
+        """The request of :data:`TRAIN` from ``start`` ([d] for all, or [n, d] one each)."""
         payload = {"start": start}
-        request = Request(
+        return Request(
             shared=payload if start.dim() == 1 else {},
             own=payload if start.dim() == 2 else {},
             settings={"train": cfg or self.train, "round": rnd, "purpose": purpose},
             held=frozenset({"start"}) if held else frozenset(),
         )
-        replies = self.channel.ask(TRAIN, clients, request, rnd, metadata_ints=ints)
-        kept = start if start.dim() == 1 else start[torch.as_tensor(replies.keep)]
-        self.observe_uploads(replies.clients, kept, replies["row"])
-        return Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
 
     def observe_uploads(self, clients: np.ndarray, start: torch.Tensor, rows: torch.Tensor) -> None:
         """Under central DP, enter accepted training uploads ``rows`` [n, d] trained from
@@ -355,6 +375,23 @@ class Context:
         (:meth:`CentralDP.observe`); every training upload of an algorithm passes here."""
         if self.central is not None and len(clients):
             self.central.observe(clients, start, rows)
+
+    def secure_total(
+        self, computation: ClientComputation, clients: np.ndarray, request: Request, rnd: int
+    ) -> SecureTotal:
+        """Ask ``clients`` to train by ``computation`` from ``request``'s start row (or
+        choosing among its K models), and receive only the sum of their contributions
+        (:mod:`fedcluster.protocol.secure_sum`): each cluster's clipped sum and size. The
+        contributors enter the central DP ledger and the adaptive clip's count."""
+        central = self.central
+        if central is None:
+            raise ValueError("secure aggregation needs central DP (privacy.mode: central)")
+        asked = secure_request(computation, request, central.clip)
+        counted, total = self.channel.ask_summed(SECURE_SHARE, clients, asked, rnd)
+        k, d = start_models(asked).shape
+        result = SecureTotal.from_vector(total, int(k), int(d))
+        central.observe_sum(counted, result.unclipped, len(counted))
+        return result
 
     def clustering_view(
         self, clients: np.ndarray, origins: torch.Tensor, ends: torch.Tensor, who: str

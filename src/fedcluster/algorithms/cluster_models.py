@@ -329,12 +329,26 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
         ties are broken on the device from ``tie_seed`` (each client its own
         stream), so they depend on nothing but the round and the client. Returns
         the accepted replies (``row``, ``loss``, ``cluster``, ...)."""
+        request = self.device_choice_request(state, rnd, rule, shared, pins)
+        ints = self.upload_ints() - 1  # the cluster id travels in the reply
+        return self.ctx.ask(computation, selected, request, rnd, metadata_ints=ints)
+
+    def device_choice_request(
+        self,
+        state: ClusterModelState,
+        rnd: int,
+        rule: Settings,
+        shared: Payload,
+        pins: np.ndarray | None = None,
+    ) -> Request:
+        """The request of :meth:`ask_device_choice`: the K models, ``shared`` extras, the
+        training, the round's tie seed and the ``rule`` (``pins``: one setting each)."""
         ctx = self.ctx
         own = None
         if pins is not None and (pins >= 0).any():
             own = tuple({"pin": int(k)} if k >= 0 else {} for k in pins)
         shared = {"models": state.models, **shared}
-        request = Request(
+        return Request(
             shared=shared,
             settings={
                 "train": ctx.train,
@@ -345,13 +359,37 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
             own_settings=own,
             tied=self.tied(shared),
         )
-        ints = self.upload_ints() - 1  # the cluster id travels in the reply
-        return ctx.ask(computation, selected, request, rnd, metadata_ints=ints)
+
+    def device_choice(
+        self, state: ClusterModelState
+    ) -> tuple[ClientComputation, Settings, Payload]:
+        """The device choice a secure round asks for (``privacy.secure_aggregation``): the
+        chosen-start training, its rule and its shared extras (:meth:`ask_device_choice`)."""
+        raise NotImplementedError(f"{self.name}: no choice on the device under secure aggregation")
+
+    def secure_round(
+        self, state: ClusterModelState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[ClusterModelState]:
+        """A round under secure aggregation (:mod:`fedcluster.protocol.secure_sum`): the
+        devices choose, train and contribute; the server receives each cluster's clipped
+        sum and size only, and releases cluster k as W_k + (S_k + noise)/n_k in the order
+        of the trusted server's :func:`cluster_average` (the same noise). Who chose
+        which cluster stays unknown to the server (``assign`` is unchanged)."""
+        ctx = self.ctx
+        assert ctx.central is not None
+        computation, rule, shared = self.device_choice(state)
+        request = self.device_choice_request(state, rnd, rule, shared)
+        total = ctx.secure_total(computation, selected, request, rnd)
+        new = total.released(state.models, ctx.central.release_sum)
+        released = replace(state, models=new, delta=new - state.models)
+        return RoundOutput(released, total.mean_loss, {})
 
     def run_round(
         self, state: ClusterModelState, rnd: int, selected: np.ndarray
     ) -> RoundOutput[ClusterModelState]:
         ctx = self.ctx
+        if ctx.secure:
+            return self.secure_round(state, rnd, selected)
         if self.params.choice_on_device:
             replies, found = self.choose_and_train(state, rnd, selected)
             ex = Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])

@@ -254,12 +254,7 @@ class DCFL(Algorithm[DCFLParams, DCFLState]):
             self.ctx, state.models, state.directions, state.direction_noise, rule, selected, rnd,
             self.ctx.train,
         )  # fmt: skip
-        ex = done.exchange
-        if not len(ex.clients):
-            return RoundOutput(state, float("nan"))
-        return RoundOutput(
-            done.applied(state), weighted_loss(ex.loss, self.ctx.train_sizes[ex.clients])
-        )
+        return RoundOutput(done.applied(state), done.loss)
 
     def _sample(self, n: int, rnd: int) -> np.ndarray | None:
         """Positions (sorted) of the round's updates the clustering runs on when there

@@ -68,7 +68,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average
-from fedcluster.algorithms.base import AlgorithmParams, Context, Exchange
+from fedcluster.algorithms.base import AlgorithmParams, Context, Exchange, weighted_loss
 from fedcluster.algorithms.cluster_models import private_initial_models
 from fedcluster.clustering.distances import (
     DcflVariant,
@@ -183,6 +183,9 @@ class DirectionRound:
     models: torch.Tensor
     directions: torch.Tensor
     noise: torch.Tensor
+    loss: float
+    """The round's training loss: sample-weighted over the accepted uploads, or the
+    contributors' mean under secure aggregation (NaN without any)."""
 
     def applied(self, state: DeviceState) -> DeviceState:
         """``state`` (a dataclass with ``models``, ``assign``, ``directions`` and
@@ -227,6 +230,8 @@ def direction_round(
             "compare": ctx.compare,
         },
     )
+    if ctx.secure:
+        return secure_direction_round(ctx, models, directions, noise, selected, rnd, request)
     replies = ctx.ask(
         DIRECTION_CHOOSE_AND_TRAIN, selected, request, rnd, metadata_ints=int(by_samples)
     )
@@ -235,15 +240,54 @@ def direction_round(
     ctx.observe_uploads(replies.clients, starts, replies["row"])
     ex = Exchange(replies.keep, replies.clients, replies["row"], replies["loss"])
     if not len(ex.clients):
-        return DirectionRound(ex, choice, models, directions, noise)
+        return DirectionRound(ex, choice, models, directions, noise, float("nan"))
     weights = ctx.train_sizes[ex.clients] if by_samples else None
     new = cluster_average(ex.rows, choice, models, weights, ctx.aggregate, start=starts)
     counts = np.bincount(choice, minlength=len(models))
+    loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
+    return _released_round(ctx, ex, choice, models, new, (directions, noise), counts, loss)
+
+
+def secure_direction_round(
+    ctx: Context,
+    models: torch.Tensor,
+    directions: torch.Tensor,
+    noise: torch.Tensor,
+    selected: np.ndarray,
+    rnd: int,
+    request: Request,
+) -> DirectionRound:
+    """:func:`direction_round` under secure aggregation (:mod:`fedcluster.protocol.secure_sum`):
+    the server receives each cluster's clipped sum and size only, releases the trusted
+    server's models from them and their steps as directions; who chose which cluster
+    stays unknown to it (no accepted exchange: ``assign`` unchanged)."""
+    assert ctx.central is not None
+    total = ctx.secure_total(DIRECTION_CHOOSE_AND_TRAIN, selected, request, rnd)
+    new = total.released(models, ctx.central.release_sum)
+    none = np.zeros(0, dtype=np.int64)
+    ex = Exchange(np.zeros(len(selected), dtype=bool), none, new[:0], torch.zeros(0))
+    steps = (directions, noise)
+    return _released_round(ctx, ex, none, models, new, steps, total.counts, total.mean_loss)
+
+
+def _released_round(
+    ctx: Context,
+    ex: Exchange,
+    choice: np.ndarray,
+    models: torch.Tensor,
+    new: torch.Tensor,
+    steps: tuple[torch.Tensor, torch.Tensor],
+    counts: np.ndarray,
+    loss: float,
+) -> DirectionRound:
+    """The round's outcome: the clusters with members (``counts``) release their step as
+    their new direction, with that step's noise (``steps``: the directions and their noise
+    before the round)."""
     moved = torch.as_tensor(counts > 0)
-    new_directions, new_noise = directions.clone(), noise.clone()
+    new_directions, new_noise = steps[0].clone(), steps[1].clone()
     new_directions[moved] = (new - models)[moved]
     new_noise[moved] = step_noise(ctx, counts)[moved]
-    return DirectionRound(ex, choice, new, new_directions, new_noise)
+    return DirectionRound(ex, choice, new, new_directions, new_noise, loss)
 
 
 def step_noise(ctx: Context, counts: np.ndarray) -> torch.Tensor:

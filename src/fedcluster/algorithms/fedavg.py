@@ -87,11 +87,26 @@ class FedAvg(Algorithm[FedAvgParams, FedAvgState]):
         self, state: FedAvgState, rnd: int, selected: np.ndarray
     ) -> RoundOutput[FedAvgState]:
         ctx = self.ctx
+        if ctx.secure:
+            return self.secure_round(state, rnd, selected)
         model, ex = fedavg_step(
             ctx, state.global_model, rnd, selected, ctx.local(mu=self.params.mu)
         )
         loss = weighted_loss(ex.loss, ctx.train_sizes[ex.clients])
         return RoundOutput(replace(state, global_model=model), loss)
+
+    def secure_round(
+        self, state: FedAvgState, rnd: int, selected: np.ndarray
+    ) -> RoundOutput[FedAvgState]:
+        """DP-FedAvg under secure aggregation (:mod:`fedcluster.protocol.secure_sum`): the
+        server receives the sum of the clipped updates and their count, and releases the
+        trusted server's model from them (the same noise)."""
+        ctx = self.ctx
+        assert ctx.central is not None
+        request = ctx.training_request(state.global_model, rnd, ctx.local(mu=self.params.mu))
+        total = ctx.secure_total(TRAIN, selected, request, rnd)
+        model = total.released(state.global_model.unsqueeze(0), ctx.central.release_sum)[0]
+        return RoundOutput(replace(state, global_model=model), total.mean_loss)
 
     def eval_rows(self, state: FedAvgState) -> tuple[torch.Tensor, np.ndarray]:
         return state.global_model.unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)

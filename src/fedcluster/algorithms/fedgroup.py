@@ -245,10 +245,7 @@ class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
             ctx, state.models, state.directions, state.direction_noise, "cosine", selected, rnd,
             ctx.local(mu=self.params.mu), by_samples=True,
         )  # fmt: skip
-        ex = done.exchange
-        if not len(ex.clients):
-            return RoundOutput(state, float("nan"))
-        return RoundOutput(done.applied(state), weighted_loss(ex.loss, ctx.train_sizes[ex.clients]))
+        return RoundOutput(done.applied(state), done.loss)
 
     def pretrain(self, clients: np.ndarray) -> Exchange:
         """Clients receive w0, train ``pretrain_epochs`` from it and upload.

@@ -31,6 +31,7 @@ from fedcluster.algorithms.cluster_models import (
 )
 from fedcluster.algorithms.jgl import CHOOSE_AND_TRAIN
 from fedcluster.protocol.channel import Replies
+from fedcluster.protocol.computation import ClientComputation, Payload, Settings
 
 
 class IFCAParams(ClusterModelParams):
@@ -59,5 +60,11 @@ class IFCA(ClusterModelAlgorithm[IFCAParams]):
         self, state: ClusterModelState, rnd: int, selected: np.ndarray
     ) -> tuple[Replies, dict[str, float]]:
         """The choice (lowest loss) and the training in one message per node."""
-        rule = {"rule": "loss", "batches": self.params.choice_batches}
-        return self.ask_device_choice(CHOOSE_AND_TRAIN, state, rnd, selected, rule, {}), {}
+        computation, rule, shared = self.device_choice(state)
+        return self.ask_device_choice(computation, state, rnd, selected, rule, shared), {}
+
+    def device_choice(
+        self, state: ClusterModelState
+    ) -> tuple[ClientComputation, Settings, Payload]:
+        """The lowest loss among the K models, on the device (:data:`CHOOSE_AND_TRAIN`)."""
+        return CHOOSE_AND_TRAIN, {"rule": "loss", "batches": self.params.choice_batches}, {}

@@ -80,6 +80,7 @@ from fedcluster.protocol.computation import (
     Payload,
     ReplyField,
     Request,
+    Settings,
     register_computation,
 )
 from fedcluster.rng import numpy_rng
@@ -316,6 +317,16 @@ class JGL(ClusterModelAlgorithm[JGLParams]):
         if p.empty_cluster_fix:
             rng = numpy_rng(self.ctx.seed, f"{self.name}/pins", rnd)
             pins = pin_empty_clusters(state.assign[selected], p.n_clusters, rng)
+        computation, rule, shared = self.device_choice(state)
+        replies = self.ask_device_choice(computation, state, rnd, selected, rule, shared, pins)
+        return replies, {"differs_from_loss_choice": float(replies["differs"].sum())}
+
+    def device_choice(
+        self, state: ClusterModelState
+    ) -> tuple[ClientComputation, Settings, Payload]:
+        """Eq. 4 on the device (:data:`CHOOSE_AND_TRAIN`) against the released models and
+        their released steps Δw_k."""
+        p = self.params
         rule = {
             "rule": "jgl",
             "lam": p.lam,
@@ -323,7 +334,4 @@ class JGL(ClusterModelAlgorithm[JGLParams]):
             "gradient_sign": p.gradient_sign,
             "loss_reduction": p.loss_reduction,
         }
-        replies = self.ask_device_choice(
-            CHOOSE_AND_TRAIN, state, rnd, selected, rule, {"directions": state.delta}, pins
-        )
-        return replies, {"differs_from_loss_choice": float(replies["differs"].sum())}
+        return CHOOSE_AND_TRAIN, rule, {"directions": state.delta}

@@ -220,6 +220,11 @@ class PrivacyConfig(_Strict):
     count_noise: float | None = Field(
         None, gt=0.0, description="central: σ_b of the unclipped count (default m/20)"
     )
+    secure_aggregation: bool = Field(
+        False,
+        description="central: the server receives only each cluster's sum of clipped "
+        "updates (devices choose, clip and contribute; Flower: SecAgg+)",
+    )
 
 
 class JoinsConfig(_Strict):

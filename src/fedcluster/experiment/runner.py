@@ -75,7 +75,7 @@ from fedcluster.models import (
     check_rows_fit,
     check_trainable,
 )
-from fedcluster.privacy.central import CentralDP
+from fedcluster.privacy.central import CentralDP, check_secure_aggregation
 from fedcluster.privacy.ledger import LocalDP, reported_epsilon
 from fedcluster.privacy.private_start import planned_start_releases
 from fedcluster.protocol.backend import Backend, FederationView
@@ -178,6 +178,7 @@ class Experiment:
         loss: LossFn | None = None,
     ) -> None:
         check_algorithms(config)
+        check_secure_aggregation(config)
         # config.yaml: how to rebuild the model, the data and the loss
         self.config = record_given(config, model, federation, loss)
         self._model = model
@@ -437,6 +438,7 @@ class Job:
         )
         if self.central is not None:
             ctx.aggregate = ctx.central = self.central
+            ctx.secure = cfg.privacy.secure_aggregation
         faulty = self.scenario.upload_transform()
         if faulty is not None:  # after local DP: a faulty client garbles whatever it would send
             self.channel.client_transforms.append(faulty)

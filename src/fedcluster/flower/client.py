@@ -39,10 +39,11 @@ from fedcluster.data.drift import DriftEvent, DriftReplay
 from fedcluster.engine.simulator import Simulator
 from fedcluster.experiment.runner import model_for, simulator_for
 from fedcluster.experiment.scenario import Scenario, flip_labels
-from fedcluster.flower import messages
+from fedcluster.flower import messages, secure
 from fedcluster.protocol.computation import lookup_computation
+from fedcluster.rng import derive_seed
 
-client_app = ClientApp()
+client_app = ClientApp(mods=[secure.secure_aggregation_mod])
 log = logging.getLogger(__name__)
 
 
@@ -186,15 +187,21 @@ def _compute(msg: Message, context: Context) -> Message:
     the message's other clients are unaffected.
     """
     config = messages.settings(msg.content)
+    replies = _run_each(messages.tensors(msg.content), dict(config.items()), context)
+    return _answer(msg, messages.encode_replies(replies))
+
+
+def _run_each(
+    arrays: dict[str, torch.Tensor], config: dict[str, Any], context: Context
+) -> list[dict[str, torch.Tensor] | str]:
+    """Each client's reply to the computation the settings name, or its error."""
     experiment, seed = str(config["experiment"]), messages.integer(config, "seed")
     computation = lookup_computation(
         str(config["computation"]), str(config.get("computation_module", "")) or None
     )
     replies: list[dict[str, torch.Tensor] | str] = []
     drift = messages.decode_drift(str(config[messages.DRIFT])) if messages.DRIFT in config else {}
-    for client, request in messages.split_clients(
-        messages.tensors(msg.content), dict(config.items())
-    ):
+    for client, request in messages.split_clients(arrays, config):
         try:
             sim = _simulator(context, experiment, seed, client)
             _follow_drift(sim, drift.get(client, []))
@@ -204,12 +211,41 @@ def _compute(msg: Message, context: Context) -> Message:
             replies.append(_error(exc, context))
             continue
         replies.append({k: v[0] for k, v in reply.items()})
-    return _answer(msg, messages.encode_replies(replies))
+    return replies
+
+
+def _secure_contribution(msg: Message, context: Context) -> Message:
+    """The node's vector for secure aggregation (:mod:`fedcluster.flower.secure`): the
+    sum of its clients' one-field replies, which Flower's ``secaggplus_mod`` quantizes
+    and masks. NumPy's global generator, from which that quantization rounds, is seeded
+    from the job's seed, the round and the node's first client (the same sums for the
+    same config and seed)."""
+    arrays, config = secure.from_fit_ins(msg.content)
+    replies = _run_each(arrays, config, context)
+    total: np.ndarray | None = None
+    failed: dict[int, str] = {}
+    for j, reply in enumerate(replies):
+        if isinstance(reply, str):
+            failed[j] = reply
+            continue
+        (value,) = reply.values()
+        vector = value.double().numpy()
+        total = vector if total is None else total + vector
+    first = int(config[messages.CLIENTS][0])
+    round_ = int(config.get(messages.prefix(0) + "round", 0))
+    seed = derive_seed(messages.integer(config, "seed"), "secure-sum", round_, first)
+    np.random.seed(seed % 2**32)
+    if total is None:
+        raise RuntimeError(f"every client of this node failed: {'; '.join(failed.values())}")
+    return _answer(msg, secure.fit_res(total, failed))
 
 
 @client_app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Local training (the ``train`` computation)."""
+    """Local training (the ``train`` computation), or a node's vector for secure
+    aggregation (a step of SecAgg+)."""
+    if secure.is_secure(msg.content):
+        return _secure_contribution(msg, context)
     return _compute(msg, context)
 
 

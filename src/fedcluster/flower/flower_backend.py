@@ -39,9 +39,10 @@ import time
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
 from torch import nn
@@ -52,10 +53,13 @@ from fedcluster.engine.clock import ClientClock
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import FedclusterError
 from fedcluster.flower import messages as protocol
+from fedcluster.flower import secure
 from fedcluster.flower.collect import Collected, TooFewReplies, check_enough, collect, required
 from fedcluster.flower.nodedata import NodeManifest
 from fedcluster.flower.verify import BadReport, SetupReport, replies_of, setup_report, wrong_count
+from fedcluster.protocol.backend import Summed
 from fedcluster.protocol.computation import ClientComputation, Payload, Request, Returned, assemble
+from fedcluster.protocol.secure_sum import entry_bound
 
 log = logging.getLogger(__name__)
 
@@ -632,6 +636,47 @@ class FlowerBackend(ClientClock):
             returned.malformed[i] = reason
         return returned
 
+    def run_summed(
+        self, computation: ClientComputation, clients: np.ndarray, request: Request
+    ) -> Summed:
+        """The sum of ``computation``'s one reply field over ``clients`` by SecAgg+
+        (:mod:`fedcluster.flower.secure`): each node sums its clients' replies, and the
+        server receives only the sum over the nodes. A round needs 2 or more nodes
+        (one node's sum would be its own); the clients of a node that dropped out, or
+        that its node left out (its error), are not in the sum."""
+        clients = np.asarray(clients, dtype=np.int64)
+        self.rediscover()
+        replies, by_node = self._route(clients)
+        failed = {i: r for i, r in enumerate(replies) if isinstance(r, str)}
+        (name,) = computation.reply
+        total = torch.zeros(computation.reply[name].shape_for(request), dtype=torch.float64)
+        counted = np.zeros(len(clients), dtype=bool)
+        if len(by_node) < 2:
+            why = "secure aggregation needs 2 or more nodes in a round (one node's sum is its own)"
+            failed.update({i: why for positions in by_node.values() for i in positions})
+            return Summed(total, counted, failed)
+        contents = {
+            node: secure.fit_ins(*self._node_request(computation, request, clients, positions))
+            for node, positions in by_node.items()
+        }
+        bound = entry_bound(float(request.settings["clip"])) * max(map(len, by_node.values()))
+        with self.timed():
+            got = secure.secure_sum(
+                self.grid, contents, bound, int(request.settings.get("round", 0)), self.timeout
+            )
+        for node, positions in by_node.items():
+            left_out = got.left_out.get(node)
+            for j, i in enumerate(positions):
+                if left_out is None:
+                    failed[i] = f"node {node} dropped out of secure aggregation"
+                elif j in left_out:
+                    failed[i] = f"node error: {left_out[j]}"
+                else:
+                    counted[i] = True
+        self.asked.update(int(c) for c in clients)
+        self.replied.update(int(c) for c in clients[counted])
+        return Summed(torch.from_numpy(got.total), counted, failed)
+
     def _route(
         self, clients: np.ndarray
     ) -> tuple[list[Payload | str | None], dict[int, list[int]]]:
@@ -660,28 +705,35 @@ class FlowerBackend(ClientClock):
         by_node: dict[int, list[int]],
     ) -> list[Message]:
         """One message per node: the request for its clients, and their drifts."""
-        base = {
-            "experiment": self._experiment,
-            "seed": self.seed,
-            "computation": computation.name,
-            "computation_module": computation.module,
-        }
-        messages = []
-        for node, positions in by_node.items():
-            arrays, config = protocol.encode_clients(
-                request, positions, clients[positions].tolist()
+        return [
+            Message(
+                protocol.request(*self._node_request(computation, request, clients, positions)),
+                dst_node_id=node,
+                message_type=protocol.message_type(computation.name),
             )
-            drifted = {int(c): self.drifts[int(c)] for c in clients[positions] if c in self.drifts}
-            if drifted:
-                config[protocol.DRIFT] = protocol.encode_drift(drifted)
-            messages.append(
-                Message(
-                    protocol.request(arrays, {**base, **config}),
-                    dst_node_id=node,
-                    message_type=protocol.message_type(computation.name),
-                )
-            )
-        return messages
+            for node, positions in by_node.items()
+        ]
+
+    def _node_request(
+        self,
+        computation: ClientComputation,
+        request: Request,
+        clients: np.ndarray,
+        positions: list[int],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One node's tensors and settings: the request for its clients at ``positions``,
+        the computation's name and home, and their drifts."""
+        arrays, config = protocol.encode_clients(request, positions, clients[positions].tolist())
+        config.update(
+            experiment=self._experiment,
+            seed=self.seed,
+            computation=computation.name,
+            computation_module=computation.module,
+        )
+        drifted = {int(c): self.drifts[int(c)] for c in clients[positions] if c in self.drifts}
+        if drifted:
+            config[protocol.DRIFT] = protocol.encode_drift(drifted)
+        return arrays, config
 
     def _mark_lost(self, got: Collected[int], what: str) -> None:
         """The nodes offline or timed out are lost until a rediscovery finds them."""

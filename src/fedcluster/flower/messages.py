@@ -256,7 +256,7 @@ def settings(content: RecordDict) -> ConfigRecord:
     return record
 
 
-def integer(config: ConfigRecord, key: str) -> int:
+def integer(config: Mapping[str, Any], key: str) -> int:
     """The integer setting ``key`` of a request (one line naming it if it is not one)."""
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, int):

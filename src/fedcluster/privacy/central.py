@@ -76,6 +76,61 @@ centres; DCFL's eq. 6 and FedGroup's eq. 9 against the released cluster steps, w
 sketches). The others cluster on individual updates or gradients (CFL, FL+HC, CFLGT,
 FeSEM's and JGL's server-side choices) and are refused."""
 
+SECURE_CLUSTERED = frozenset({"ifca", "jgl", "dcfl", "fedgroup", "fedgrouprox"})
+"""Clustered algorithms that run under secure aggregation (``privacy.secure_aggregation``)
+with ``choice_on_device: true``: the device chooses among the released models, so the
+server needs nothing but each cluster's sum (:mod:`fedcluster.protocol.secure_sum`)."""
+SECURE_GLOBAL = frozenset({"fedavg", "fedprox", "fedavg-ft"})
+"""DP-FedAvg and its variants: one sum of all clipped updates."""
+
+_NEEDS_INDIVIDUAL_UPLOADS = {
+    "shared_layers": "shared layers are averaged over all clients' rows",
+    "repair": "repair splits a cluster by its members' updates",
+    "min_cluster_share": "the good initializer counts each client's choice",
+    "init": "the private start clusters individual first updates",
+    "empty_cluster_fix": "it pins devices by their last cluster, which the server does not learn",
+}
+
+
+def check_secure_aggregation(config: ExperimentConfig) -> None:
+    """With ``privacy.secure_aggregation``, refuse what it cannot serve before anything
+    runs, one line naming the setting: a mode other than central, an algorithm other
+    than IFCA/JGL with the choice on the device, settings that need individual uploads
+    or assignments, simulated faults that garble uploads."""
+    if not config.privacy.secure_aggregation:
+        return
+    if config.privacy.mode != "central":
+        raise ConfigError(
+            "privacy.secure_aggregation: needs privacy.mode: central (the server adds "
+            "the noise to the sums it receives)"
+        )
+    for a in config.algorithms:
+        where = f"algorithm {a.display_name()!r}"
+        if a.name in SECURE_GLOBAL:
+            continue
+        if a.name not in SECURE_CLUSTERED or not a.params.get("choice_on_device"):
+            raise ConfigError(
+                f"privacy.secure_aggregation: not available for {where}; it needs "
+                f"{', '.join(sorted(SECURE_GLOBAL))}, or "
+                f"{', '.join(sorted(SECURE_CLUSTERED))} with choice_on_device: true"
+            )
+        for key, why in _NEEDS_INDIVIDUAL_UPLOADS.items():
+            value = a.params.get(key)
+            if value not in (None, False, 0, 0.0, "random", "same") or (
+                key == "empty_cluster_fix" and a.name == "jgl" and value is None
+            ):
+                raise ConfigError(
+                    f"privacy.secure_aggregation: {where} sets {key} ({why}); "
+                    f"{'set it to false' if key == 'empty_cluster_fix' else 'leave it out'}"
+                )
+    garbled = set(config.scenario.faulty.kinds) - {"label_flip"}
+    if config.scenario.faulty.share > 0 and garbled:
+        raise ConfigError(
+            "privacy.secure_aggregation: scenario.faulty garbles uploads the server never "
+            f"sees ({', '.join(sorted(garbled))}); only label_flip applies"
+        )
+
+
 History = Sequence[tuple[float, float, int]]
 """Gaussian mechanisms released: ``(noise multiplier, sample rate, steps)``."""
 
@@ -242,6 +297,7 @@ class CentralDP:
         self.round = 0
         self.calls = 0
         self._bits: dict[int, bool] = {}
+        self._summed_bits: list[float] = [0.0, 0]
 
     @classmethod
     def from_config(
@@ -312,14 +368,16 @@ class CentralDP:
         self.round = rnd
         self.calls = 0
         self._bits = {}
+        self._summed_bits = [0.0, 0]
 
     def end_round(self) -> None:
         """C_{t+1} = C_t·exp(−η_C(b̃ − γ)) from the round's noisy unclipped fraction (Alg. 1)."""
-        m = len(self._bits)
+        m = len(self._bits) + self._summed_bits[1]
         if m == 0:
             return
         gen = torch_rng(self.seed, "dp/central-count", self.round)
-        noisy = sum(self._bits.values()) + float(gaussian_noise((1,), self.count_noise, gen))
+        bits = sum(self._bits.values()) + self._summed_bits[0]
+        noisy = bits + float(gaussian_noise((1,), self.count_noise, gen))
         self.clip *= math.exp(-self.clip_lr * (noisy / m - self.target_quantile))
 
     def observe(self, clients: np.ndarray, start: torch.Tensor, rows: torch.Tensor) -> None:
@@ -347,6 +405,13 @@ class CentralDP:
         self.sketch_sum[torch.as_tensor(who)] += sketches
         self.sketched[who] += 1
 
+    def observe_sum(self, clients: np.ndarray, unclipped: float, n: int) -> None:
+        """Enter a secure sum's contributors: one aggregate release each in the ledger, and
+        the sum's count of unclipped updates among its ``n`` (the only bits the server sees)."""
+        self.releases[clients] += 1
+        self._summed_bits[0] += unclipped
+        self._summed_bits[1] += n
+
     def sketches(self, clients: np.ndarray) -> torch.Tensor:
         """Each client's mean released sketch [n, k] (zeros for one that has released none)."""
         count = torch.as_tensor(np.maximum(self.sketched[clients], 1), dtype=torch.float32)
@@ -369,10 +434,17 @@ class CentralDP:
         """
         base = start.expand_as(rows) if start.dim() == 1 else start
         total = clip_rows(rows - base, self.clip).sum(dim=0)
+        return self.release_sum(base.mean(dim=0), total, len(rows))
+
+    def release_sum(self, start: torch.Tensor, total: torch.Tensor, n: int) -> torch.Tensor:
+        """One cluster's aggregate from its sum of clipped updates ``total`` [d] over ``n``
+        members (a trusted server's, or a secure aggregation's): start + (total + noise) / n,
+        the noise drawn as :meth:`__call__` draws it."""
+        total = total.to(torch.float32, copy=True)
         gen = torch_rng(self.seed, "dp/central", self.round, self.calls)
         self.calls += 1
         total += gaussian_noise(total.shape, self.update_noise * self.clip, gen)
-        return base.mean(dim=0) + total / len(rows)
+        return start + total / n
 
     def record_start(self, clients: np.ndarray) -> None:
         """Enter the private start's releases for the ``clients`` that took part."""

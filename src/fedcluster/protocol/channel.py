@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from fedcluster.config.schema import DEFAULT_NORM_FACTOR
-from fedcluster.protocol.backend import Backend
+from fedcluster.protocol.backend import Backend, run_summed
 from fedcluster.protocol.computation import ClientComputation, Payload, Request, Returned
 
 if TYPE_CHECKING:
@@ -225,6 +225,30 @@ class Channel:
                 for k, f in computation.reply.items()
             }
         return Replies(keep, clients[keep], fields)
+
+    def ask_summed(
+        self, computation: ClientComputation, clients: np.ndarray, request: Request, rnd: int
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """Send ``request`` to ``clients`` and receive only the sum of their replies'
+        one field (:func:`~fedcluster.protocol.backend.run_summed`: secure aggregation):
+        the ids of the clients in the sum, and the sum. Failing clients and those the
+        backend left out are recorded as failed; bytes are counted as for :meth:`ask`.
+        Nothing individual reaches the server, so nothing is rejected here: the
+        contribution bounds itself (:mod:`fedcluster.protocol.secure_sum`)."""
+        clients = np.asarray(clients, dtype=np.int64)
+        self.traffic.down += request.bytes_down() * len(clients)
+        reply = self.respond(clients, rnd)
+        asked = clients[reply]
+        if not len(asked):
+            (field_,) = computation.reply.values()
+            return asked, torch.zeros(field_.shape_for(request), dtype=torch.float64)
+        sub = request if reply.all() else subset_request(request, np.flatnonzero(reply))
+        summed = run_summed(self.backend, computation, asked, sub)
+        for i, reason in summed.failed.items():
+            self._fail(int(asked[i]), rnd, reason)
+        counted = asked[summed.counted]
+        self.traffic.up += computation.bytes_up(sub) * len(counted)
+        return counted, summed.total
 
     def _with_tickets(
         self, computation: ClientComputation, request: Request, clients: np.ndarray
