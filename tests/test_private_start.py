@@ -24,8 +24,10 @@ from fedcluster.privacy.central import calibrate_central, composed_epsilon
 from fedcluster.privacy.mechanisms import clip_rows
 from fedcluster.privacy.private_start import (
     PrivateStart,
-    analyze_gauss,
-    lloyd_step,
+    UpdateStatistics,
+    basis_from,
+    lloyd_from,
+    nearest,
     private_start,
     start_releases,
 )
@@ -42,7 +44,8 @@ pytestmark = [
 def test_analyze_gauss_releases_the_top_eigenvectors_of_the_noisy_second_moment():
     n, k, r, clip, z = 40, 6, 3, 0.8, 1.5
     sketches = clip_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), clip)
-    basis = analyze_gauss(sketches, clip, z, torch_rng(1, "pca"), r)
+    stats = UpdateStatistics(sketches, torch.eye(k), clip)  # P = I: the sketches themselves
+    basis = basis_from(stats.second_moment(), clip, z, torch_rng(1, "pca"), r)
     # by hand: the same draws, upper triangle (with the diagonal) of std z·C², mirrored
     draws = torch.randn(k, k, generator=torch_rng(1, "pca")).double().numpy() * z * clip**2
     upper = np.triu(draws)
@@ -61,7 +64,9 @@ def test_one_dp_lloyd_iteration_is_the_hand_computation():
     clip, z = 0.5, 2.0
     coords = clip_rows(torch.randn(30, 3, generator=torch.Generator().manual_seed(2)), clip)
     centres = torch.tensor([[0.3, 0.0, 0.0], [-0.3, 0.0, 0.0], [0.0, 0.3, 0.0]])
-    new, assign = lloyd_step(coords, centres, clip, z, torch_rng(0, "lloyd"))
+    stats, basis = UpdateStatistics(coords, torch.eye(3), clip), torch.eye(3)
+    new = lloyd_from(stats.cluster_sums(basis, centres), centres, clip, z, torch_rng(0, "lloyd"))
+    assign = nearest(coords, centres)
     draws = torch.randn(3, 4, generator=torch_rng(0, "lloyd")) * (z * clip * 2**0.5)
     for i, point in enumerate(coords):  # each client takes its nearest centre
         distances = [float((point - c).norm()) for c in centres]
@@ -85,12 +90,15 @@ def blobs() -> tuple[torch.Tensor, np.ndarray]:
 def test_without_noise_the_start_recovers_separated_blobs_and_their_mean_updates():
     updates, groups = blobs()
     params = PrivateStart(seed_dims=4, grid=5)
-    found = private_start(updates, torch.eye(8), 4, params, 1.0, 0.0, seed=0)
-    assert adjusted_rand_score(groups, found.assign) == 1.0
+    stats = UpdateStatistics(updates, torch.eye(8), 1.0)
+    found = private_start(stats, 4, params, 1.0, 0.0, seed=0)
+    assign = nearest(stats.coordinates(found.basis), found.centres)
+    assert adjusted_rand_score(groups, assign) == 1.0
+    assert sorted(found.sizes.tolist()) == [10, 20, 30, 40]
     for g in range(4):  # each found group's model step is its members' mean update
-        members = found.assign == found.assign[groups == g][0]
+        members = assign == assign[groups == g][0]
         torch.testing.assert_close(
-            found.updates[found.assign[groups == g][0]],
+            found.updates[assign[groups == g][0]],
             updates[torch.as_tensor(members)].mean(dim=0),
             rtol=1e-5,
             atol=1e-6,
@@ -100,11 +108,12 @@ def test_without_noise_the_start_recovers_separated_blobs_and_their_mean_updates
 def test_the_start_is_deterministic_in_its_seed():
     updates, _ = blobs()
     params = PrivateStart(seed_dims=4, grid=5)
-    first = private_start(updates, torch.eye(8), 4, params, 1.0, 0.7, seed=5)
-    again = private_start(updates, torch.eye(8), 4, params, 1.0, 0.7, seed=5)
-    other = private_start(updates, torch.eye(8), 4, params, 1.0, 0.7, seed=6)
+    stats = UpdateStatistics(updates, torch.eye(8), 1.0)
+    first = private_start(stats, 4, params, 1.0, 0.7, seed=5)
+    again = private_start(stats, 4, params, 1.0, 0.7, seed=5)
+    other = private_start(stats, 4, params, 1.0, 0.7, seed=6)
     assert torch.equal(first.updates, again.updates)
-    assert np.array_equal(first.assign, again.assign)
+    assert np.array_equal(first.sizes, again.sizes)
     assert not torch.equal(first.updates, other.updates)
 
 

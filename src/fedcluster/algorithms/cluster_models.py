@@ -66,7 +66,12 @@ from fedcluster.engine.client_computations import LOSSES, TRAIN
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError
 from fedcluster.privacy.central import projection
-from fedcluster.privacy.private_start import PrivateStart, private_start, private_start_field
+from fedcluster.privacy.private_start import (
+    PrivateStart,
+    UpdateStatistics,
+    private_start,
+    private_start_field,
+)
 from fedcluster.protocol.channel import Replies
 from fedcluster.protocol.computation import ClientComputation, Payload, Request, Settings
 from fedcluster.rng import derive_seed, numpy_rng
@@ -171,11 +176,11 @@ def private_initial_models(ctx: Context, k: int, params: PrivateStart, who: str)
     central = ctx.central
     clip, noise = (central.clip, central.start_noise) if central else (params.clip, 0.0)
     matrix = projection(ctx.seed, ctx.dim, params.sketch_dim)
-    found = private_start(replies["row"] - w0, matrix, k, params, clip, noise, ctx.seed)
+    stats = UpdateStatistics(replies["row"] - w0, matrix, clip)
+    found = private_start(stats, k, params, clip, noise, ctx.seed)
     if central is not None:
         central.record_start(replies.clients)
-    sizes = np.bincount(found.assign, minlength=k)
-    log.info("%s: private start, clients per group %s", who, sizes.tolist())
+    log.info("%s: private start, clients per group %s", who, found.sizes.tolist())
     return w0 + found.updates
 
 

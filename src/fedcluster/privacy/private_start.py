@@ -50,7 +50,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -108,12 +108,14 @@ def planned_start_releases(params: Mapping[str, Any]) -> int:
 class StartResult:
     """What the private start found."""
 
-    assign: np.ndarray
-    """Each client's group [n] (nearest final centre)."""
+    sizes: np.ndarray
+    """The clients in each group [K] (nearest final centre)."""
     updates: torch.Tensor
     """Each group's released mean clipped update [K, d]."""
     centres: torch.Tensor
     """The final released centres [K, r]."""
+    basis: torch.Tensor
+    """The released principal directions V [k, r]."""
 
 
 def sketch_updates(updates: torch.Tensor, matrix: torch.Tensor, clip: float) -> torch.Tensor:
@@ -121,33 +123,119 @@ def sketch_updates(updates: torch.Tensor, matrix: torch.Tensor, clip: float) -> 
     return clip_rows(clip_rows(updates, clip) @ matrix.T, clip)
 
 
-def analyze_gauss(
-    sketches: torch.Tensor, clip: float, noise_multiplier: float, gen: torch.Generator, r: int
+def nearest(coords: torch.Tensor, centres: torch.Tensor) -> np.ndarray:
+    """Each row's nearest centre (the lowest index on ties): the device's assignment."""
+    return torch.cdist(coords.double(), centres.double()).argmin(dim=1).numpy()
+
+
+class StartStatistics(Protocol):
+    """The sums over the clients that the private start releases (with noise), however
+    they are gathered: from the updates themselves (:class:`UpdateStatistics`) or as the
+    sums of the devices' contributions under secure aggregation."""
+
+    @property
+    def sketch_dim(self) -> int: ...
+
+    def second_moment(self) -> torch.Tensor:
+        """Σ s_i s_iᵀ [k, k] (float64)."""
+        ...
+
+    def cell_counts(self, basis: torch.Tensor, m: int, cells: int) -> torch.Tensor:
+        """The clients in each of the ``cells``^m grid cells over [−C, C]^m of their leading
+        m coordinates e_i = Vᵀ s_i [g^m]."""
+        ...
+
+    def cluster_sums(self, basis: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        """[K, r + 1]: per nearest centre, Σ e_i and C·n_k."""
+        ...
+
+    def group_sums(
+        self, basis: torch.Tensor, centres: torch.Tensor
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Per nearest centre, Σ clip(u_i, C) [K, d] and the group's size [K]."""
+        ...
+
+
+@dataclass
+class UpdateStatistics:
+    """:class:`StartStatistics` computed from clients' first ``updates`` [n, d] with the
+    public projection ``matrix`` [k, d]: by the server that sees them, or by a device from
+    its own update (n = 1: its contribution to a secure sum)."""
+
+    updates: torch.Tensor
+    matrix: torch.Tensor
+    clip: float
+
+    def __post_init__(self) -> None:
+        self.sketches = sketch_updates(self.updates, self.matrix, self.clip)
+
+    @property
+    def sketch_dim(self) -> int:
+        return int(self.matrix.shape[0])
+
+    def coordinates(self, basis: torch.Tensor) -> torch.Tensor:
+        """e_i = Vᵀ s_i [n, r]."""
+        return self.sketches @ basis
+
+    def second_moment(self) -> torch.Tensor:
+        s = self.sketches.double()
+        return s.T @ s
+
+    def cell_counts(self, basis: torch.Tensor, m: int, cells: int) -> torch.Tensor:
+        coords = self.coordinates(basis)[:, :m]
+        width = 2.0 * self.clip / cells
+        index = ((coords + self.clip) / width).floor().long().clamp(0, cells - 1)
+        flat = (index * cells ** torch.arange(m - 1, -1, -1)).sum(dim=1)
+        return torch.bincount(flat, minlength=cells**m).float()
+
+    def cluster_sums(self, basis: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        coords = self.coordinates(basis)
+        onehot = self._onehot(nearest(coords, centres), len(centres))
+        return torch.cat([onehot.T @ coords, self.clip * onehot.sum(dim=0, keepdim=True).T], dim=1)
+
+    def group_sums(
+        self, basis: torch.Tensor, centres: torch.Tensor
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        assign = nearest(self.coordinates(basis), centres)
+        clipped = clip_rows(self.updates, self.clip)
+        sums = torch.zeros(len(centres), self.updates.shape[1])
+        for group in np.unique(assign):
+            sums[int(group)] = clipped[torch.as_tensor(assign == group)].sum(dim=0)
+        return sums, np.bincount(assign, minlength=len(centres))
+
+    def _onehot(self, assign: np.ndarray, k: int) -> torch.Tensor:
+        onehot = torch.zeros(len(assign), k)
+        onehot[torch.arange(len(assign)), torch.as_tensor(assign)] = 1.0
+        return onehot
+
+
+def basis_from(
+    second_moment: torch.Tensor, clip: float, noise_multiplier: float, gen: torch.Generator, r: int
 ) -> torch.Tensor:
     """The top ``r`` eigenvectors [k, r] (largest eigenvalue first) of Σ s_i s_iᵀ + E, E
     symmetric with upper triangle N(0, z²C⁴) (Dwork et al. 2014, Alg. 1)."""
-    k = sketches.shape[1]
-    s = sketches.double()
+    k = second_moment.shape[0]
     noise = gaussian_noise((k, k), noise_multiplier * clip**2, gen).double().triu()
-    matrix = s.T @ s + noise + noise.triu(1).T
+    matrix = second_moment.double() + noise + noise.triu(1).T
     _, vectors = torch.linalg.eigh(matrix)
     return vectors[:, -r:].flip(1).float()
 
 
-def grid_histogram(
-    coords: torch.Tensor, clip: float, cells: int, noise_multiplier: float, gen: torch.Generator
+def histogram_from(
+    counts: torch.Tensor,
+    m: int,
+    clip: float,
+    cells: int,
+    noise_multiplier: float,
+    gen: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cell centres [g^r, r] of a grid of ``cells`` per axis over [−C, C]^r and the
-    noisy count of ``coords`` [n, r] in each (noise N(0, z²), sensitivity 1)."""
-    r = coords.shape[1]
+    """The cell centres [g^m, m] of the grid of ``cells`` per axis over [−C, C]^m and the
+    noisy ``counts`` [g^m] (noise N(0, z²), sensitivity 1)."""
+    noisy = counts.float() + gaussian_noise(counts.shape, noise_multiplier, gen)
     width = 2.0 * clip / cells
-    index = ((coords + clip) / width).floor().long().clamp(0, cells - 1)
-    flat = (index * cells ** torch.arange(r - 1, -1, -1)).sum(dim=1)
-    counts = torch.bincount(flat, minlength=cells**r).float()
-    counts += gaussian_noise(counts.shape, noise_multiplier, gen)
     axis = -clip + width * (torch.arange(cells, dtype=torch.float32) + 0.5)
-    centres = torch.tensor(list(itertools.product(axis.tolist(), repeat=r)), dtype=torch.float32)
-    return centres, counts
+    centres = torch.tensor(list(itertools.product(axis.tolist(), repeat=m)), dtype=torch.float32)
+    return centres, noisy
 
 
 def seed_centres(
@@ -165,96 +253,82 @@ def seed_centres(
     return torch.as_tensor(fit.cluster_centers_, dtype=torch.float32)
 
 
-def nearest(coords: torch.Tensor, centres: torch.Tensor) -> np.ndarray:
-    """Each row's nearest centre (the lowest index on ties): the device's assignment."""
-    return torch.cdist(coords.double(), centres.double()).argmin(dim=1).numpy()
-
-
-def lloyd_step(
-    coords: torch.Tensor,
+def lloyd_from(
+    sums: torch.Tensor,
     centres: torch.Tensor,
     clip: float,
     noise_multiplier: float,
     gen: torch.Generator,
-) -> tuple[torch.Tensor, np.ndarray]:
-    """One DP-Lloyd iteration: the clients' assignments [n] to ``centres`` [K, r] and the new
-    centres from the noisy (sum, C·count) of each cluster (noise N(0, 2z²C²) on each)."""
-    assign = nearest(coords, centres)
-    k, r = centres.shape
-    onehot = torch.zeros(len(coords), k)
-    onehot[torch.arange(len(coords)), torch.as_tensor(assign)] = 1.0
-    released = torch.cat([onehot.T @ coords, clip * onehot.sum(dim=0, keepdim=True).T], dim=1)
-    released += gaussian_noise(released.shape, noise_multiplier * clip * 2**0.5, gen)
+) -> torch.Tensor:
+    """One DP-Lloyd iteration's new centres [K, r] from each cluster's (Σ e_i, C·n_k)
+    ``sums`` [K, r + 1] with noise N(0, 2z²C²) on each entry (a cluster whose noisy count
+    is below 1 keeps its centre)."""
+    r = centres.shape[1]
+    released = sums.float() + gaussian_noise(sums.shape, noise_multiplier * clip * 2**0.5, gen)
     counts = released[:, r] / clip
     filled = counts >= 1.0
     new = centres.clone()
     new[filled] = released[filled, :r] / counts[filled].unsqueeze(1)
-    return new, assign
+    return new
 
 
-def group_updates(
-    updates: torch.Tensor,
-    assign: np.ndarray,
-    k: int,
+def groups_from(
+    sums: torch.Tensor,
+    sizes: np.ndarray,
     clip: float,
     noise_multiplier: float,
     gen: torch.Generator,
 ) -> torch.Tensor:
-    """Each group's (Σ clip(u_i, C) + N(0, z²C²·I)) / n_k [K, d]; zeros for an empty group."""
-    clipped = clip_rows(updates, clip)
-    out = torch.zeros(k, updates.shape[1])
-    for group in range(k):
-        members = torch.as_tensor(assign == group)
-        if not bool(members.any()):
-            continue
-        total = clipped[members].sum(dim=0)
+    """Each group's (Σ clip(u_i, C) + N(0, z²C²·I)) / n_k [K, d] from its ``sums`` [K, d]
+    and ``sizes`` [K]; zeros for an empty group."""
+    out = torch.zeros(sums.shape, dtype=torch.float32)
+    for group in np.flatnonzero(sizes):
+        total = sums[group].float().clone()
         total += gaussian_noise(total.shape, noise_multiplier * clip, gen)
-        out[group] = total / int(members.sum())
+        out[group] = total / int(sizes[group])
     return out
 
 
 def private_start(
-    updates: torch.Tensor,
-    matrix: torch.Tensor,
+    stats: StartStatistics,
     k: int,
     params: PrivateStart,
     clip: float,
     noise_multiplier: float,
     seed: int,
 ) -> StartResult:
-    """The private start (module docstring) on the clients' first updates [n, d], with the
-    public projection ``matrix`` [k', d]; noise from ``torch_rng(seed, "private-start/…")``."""
-    r = params.dims or min(2 * k, matrix.shape[0])
+    """The private start (module docstring) from the clients' ``stats`` (their first
+    updates, or their sums under secure aggregation); noise from
+    ``torch_rng(seed, "private-start/…")``."""
+    r = params.dims or min(2 * k, stats.sketch_dim)
     m = min(params.seed_dims, r)
-    if r > matrix.shape[0]:
+    if r > stats.sketch_dim:
         raise ConfigError(
             f"private_start.dims: {r} principal directions need sketch_dim >= {r}, "
-            f"got {matrix.shape[0]}"
+            f"got {stats.sketch_dim}"
         )
     if params.grid**m > MAX_CELLS:
         raise ConfigError(
             f"private_start.grid: {params.grid}^{m} histogram cells exceed {MAX_CELLS:,}; "
             "lower grid or seed_dims"
         )
-    sketches = sketch_updates(updates, matrix, clip)
-    basis = analyze_gauss(sketches, clip, noise_multiplier, torch_rng(seed, "private-start/pca"), r)
-    coords = sketches @ basis
-    cells, counts = grid_histogram(
-        coords[:, :m],
+    z = noise_multiplier
+    basis = basis_from(stats.second_moment(), clip, z, torch_rng(seed, "private-start/pca"), r)
+    cells, counts = histogram_from(
+        stats.cell_counts(basis, m, params.grid),
+        m,
         clip,
         params.grid,
-        noise_multiplier,
+        z,
         torch_rng(seed, "private-start/histogram"),
     )
     seeds = seed_centres(
-        cells, counts, k, 3.0 * noise_multiplier, derive_seed(seed, "private-start/kmeans") % 2**32
+        cells, counts, k, 3.0 * z, derive_seed(seed, "private-start/kmeans") % 2**32
     )
     centres = torch.cat([seeds, torch.zeros(k, r - m)], dim=1)
     for step in range(params.iterations):
         gen = torch_rng(seed, "private-start/lloyd", step)
-        centres, _ = lloyd_step(coords, centres, clip, noise_multiplier, gen)
-    assign = nearest(coords, centres)
-    gen = torch_rng(seed, "private-start/models")
-    return StartResult(
-        assign, group_updates(updates, assign, k, clip, noise_multiplier, gen), centres
-    )
+        centres = lloyd_from(stats.cluster_sums(basis, centres), centres, clip, z, gen)
+    sums, sizes = stats.group_sums(basis, centres)
+    updates = groups_from(sums, sizes, clip, z, torch_rng(seed, "private-start/models"))
+    return StartResult(sizes, updates, centres, basis)
