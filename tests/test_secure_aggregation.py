@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedcluster.algorithms.cluster_models import private_initial_models
 from fedcluster.algorithms.dcfl import DCFL, DCFLParams
 from fedcluster.algorithms.fedavg import FedAvg, FedAvgParams
 from fedcluster.algorithms.fedgroup import FedGroup, FedGroupParams
@@ -23,6 +24,7 @@ from fedcluster.config.schema import resolve_config
 from fedcluster.errors import ConfigError
 from fedcluster.experiment.runner import Experiment
 from fedcluster.privacy.central import CentralDP
+from fedcluster.privacy.private_start import PrivateStart
 from fedcluster.protocol.secure_sum import LOSS_CAP, SecureTotal, share_length, shares
 from tests.helpers import make_context, rotated_digits
 
@@ -107,6 +109,29 @@ def test_rounds_that_see_only_the_sums_release_the_trusted_servers_models(algori
         assert (secure.assign == -1).all() and (trusted.assign >= 0).any()
 
 
+@pytest.mark.parametrize("z", [0.0, 2.0], ids=["noise-free", "noisy"])
+def test_a_private_start_from_secure_sums_gives_the_trusted_servers_models(z):
+    """The private start's sums gathered from the devices (each its own term, the server
+    only the sum) give the models and ledger of the trusted server that computes them
+    from the uploads: the same noise draws, sums to float rounding, the same groups."""
+    fed = rotated_digits(n_groups=2, clients_per_group=6, per_client=40)
+    params = PrivateStart(sketch_dim=8, iterations=2)
+    out = []
+    for secure in (False, True):
+        ctx = make_context(fed)
+        central = _central(fed.n_clients)
+        central.start_noise, central.start_releases = z, params.releases
+        ctx.aggregate = ctx.central = central
+        ctx.secure = secure
+        out.append((private_initial_models(ctx, 2, params, "test"), central.started.copy()))
+    (trusted, started), (secure_models, secure_started) = out
+    # float32 sums of n = 12 clipped updates (|entry| ≤ C = 0.3) over a float64 sum
+    torch.testing.assert_close(secure_models, trusted, rtol=0, atol=12 * 0.3 * 2**-22)
+    assert (trusted - trusted.mean(dim=0)).abs().max() > 1e-3  # two distinct groups' models
+    np.testing.assert_array_equal(secure_started, started)
+    assert (started == params.releases).all()
+
+
 TINY = ["rounds=2", "privacy.mode=central", "privacy.epsilon=8", "privacy.count_noise=5"]
 
 
@@ -143,20 +168,13 @@ def test_a_secure_run_spends_the_budget_and_repeats_itself(tmp_path):
         ),
         (
             [
-                "algorithms=[{name: ifca, params: {n_clusters: 2, choice_on_device: true, "
-                "init: private}}]"
-            ],
-            "sets init",
-        ),
-        (
-            [
                 "algorithms=[{name: ifca, params: {n_clusters: 2, choice_on_device: true}}]",
                 "scenario.faulty.share=0.2",
             ],
             "garbles uploads",
         ),
     ],
-    ids=["not-central", "cfl", "server-choice", "jgl-pins", "private-start", "faults"],
+    ids=["not-central", "cfl", "server-choice", "jgl-pins", "faults"],
 )
 def test_what_secure_aggregation_cannot_serve_is_refused(tmp_path, change, error):
     ifca = "algorithms=[{name: ifca, params: {n_clusters: 2, choice_on_device: true}}]"

@@ -121,8 +121,8 @@ def test_a_choice_by_released_directions_under_central_dp_on_flower(tmp_path, al
 
 
 def test_secure_aggregation_by_flowers_secagg_plus_equals_the_simulator(tmp_path):
-    """DP-FedAvg, and IFCA, JGL and DCFL choosing on the devices, under central DP with
-    secure aggregation:
+    """DP-FedAvg, and IFCA (from random models and from the private start), JGL and DCFL
+    choosing on the devices, under central DP with secure aggregation:
     the nodes' vectors go through Flower's SecAgg+ (quantized, masked), the server
     unmasks only their sum and releases the same noisy models as the simulator, whose
     sums are exact. Each entry of a sum is within one quantization step per node
@@ -138,6 +138,11 @@ def test_secure_aggregation_by_flowers_secagg_plus_equals_the_simulator(tmp_path
                 {"name": "ifca", "params": secure},
                 {"name": "jgl", "params": {**secure, "lam": 0.2, "empty_cluster_fix": False}},
                 {"name": "dcfl", "params": secure},
+                {  # the private start's 8 sums too
+                    "name": "ifca",
+                    "label": "ifca-private",
+                    "params": {**secure, "init": "private", "private_start": {"sketch_dim": 8}},
+                },
             ],
             # a large ε: noise small enough that the sums, not the noise, make the models
             "privacy": {

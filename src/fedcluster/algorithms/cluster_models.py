@@ -62,12 +62,14 @@ from fedcluster.algorithms.base import (
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
 from fedcluster.algorithms.repair import ClusterRepair, apply_repair, repair_diagnostics
+from fedcluster.algorithms.secure_start import DeviceStatistics
 from fedcluster.engine.client_computations import LOSSES, TRAIN
 from fedcluster.engine.flat import ParamLayout
 from fedcluster.errors import ConfigError
 from fedcluster.privacy.central import projection
 from fedcluster.privacy.private_start import (
     PrivateStart,
+    StartStatistics,
     UpdateStatistics,
     private_start,
     private_start_field,
@@ -164,22 +166,32 @@ def private_initial_models(ctx: Context, k: int, params: PrivateStart, who: str)
     the present clients train once from ``ctx.init_row`` (a counted training exchange before
     round 1), and model k is w0 plus group k's released mean clipped update. Under central
     DP the clip is its C_0 and the noise its start multiplier, and the start's releases enter
-    every participant's ledger."""
+    every participant's ledger; under secure aggregation the server receives only the sums
+    the start releases (:mod:`~fedcluster.algorithms.secure_start`)."""
     w0 = ctx.init_row
     request = Request(
         shared={"start": w0}, settings={"train": ctx.train, "round": 0, "purpose": "private-start"}
     )
-    replies = ctx.ask(TRAIN, np.flatnonzero(ctx.present), request, 0)
-    if not len(replies.clients):
-        log.warning("%s: no client answered the private start; K copies of w0", who)
-        return w0.unsqueeze(0).repeat(k, 1)
     central = ctx.central
     clip, noise = (central.clip, central.start_noise) if central else (params.clip, 0.0)
-    matrix = projection(ctx.seed, ctx.dim, params.sketch_dim)
-    stats = UpdateStatistics(replies["row"] - w0, matrix, clip)
-    found = private_start(stats, k, params, clip, noise, ctx.seed)
+    present = np.flatnonzero(ctx.present)
+    stats: StartStatistics
+    if ctx.secure:  # the devices contribute to each sum (secure_start)
+        stats = DeviceStatistics(ctx, present, request, params.sketch_dim, clip)
+        found = private_start(stats, k, params, clip, noise, ctx.seed)
+        participants = stats.counted
+    else:
+        replies = ctx.ask(TRAIN, present, request, 0)
+        participants = replies.clients
+        if len(participants):
+            matrix = projection(ctx.seed, ctx.dim, params.sketch_dim)
+            stats = UpdateStatistics(replies["row"] - w0, matrix, clip)
+            found = private_start(stats, k, params, clip, noise, ctx.seed)
+    if not len(participants):
+        log.warning("%s: no client answered the private start; K copies of w0", who)
+        return w0.unsqueeze(0).repeat(k, 1)
     if central is not None:
-        central.record_start(replies.clients)
+        central.record_start(participants)
     log.info("%s: private start, clients per group %s", who, found.sizes.tolist())
     return w0 + found.updates
 

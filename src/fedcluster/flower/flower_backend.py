@@ -59,7 +59,6 @@ from fedcluster.flower.nodedata import NodeManifest
 from fedcluster.flower.verify import BadReport, SetupReport, replies_of, setup_report, wrong_count
 from fedcluster.protocol.backend import Summed
 from fedcluster.protocol.computation import ClientComputation, Payload, Request, Returned, assemble
-from fedcluster.protocol.secure_sum import entry_bound
 
 log = logging.getLogger(__name__)
 
@@ -641,9 +640,10 @@ class FlowerBackend(ClientClock):
     ) -> Summed:
         """The sum of ``computation``'s one reply field over ``clients`` by SecAgg+
         (:mod:`fedcluster.flower.secure`): each node sums its clients' replies, and the
-        server receives only the sum over the nodes. A round needs 2 or more nodes
-        (one node's sum would be its own); the clients of a node that dropped out, or
-        that its node left out (its error), are not in the sum."""
+        server receives only the sum over the nodes. The request's setting
+        ``entry_bound`` bounds one client's entries (the quantization's range). A round
+        needs 2 or more nodes (one node's sum would be its own); the clients of a node
+        that dropped out, or that its node left out (its error), are not in the sum."""
         clients = np.asarray(clients, dtype=np.int64)
         self.rediscover()
         replies, by_node = self._route(clients)
@@ -659,7 +659,7 @@ class FlowerBackend(ClientClock):
             node: secure.fit_ins(*self._node_request(computation, request, clients, positions))
             for node, positions in by_node.items()
         }
-        bound = entry_bound(float(request.settings["clip"])) * max(map(len, by_node.values()))
+        bound = float(request.settings["entry_bound"]) * max(map(len, by_node.values()))
         with self.timed():
             got = secure.secure_sum(
                 self.grid, contents, bound, int(request.settings.get("round", 0)), self.timeout

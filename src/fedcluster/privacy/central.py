@@ -87,7 +87,6 @@ _NEEDS_INDIVIDUAL_UPLOADS = {
     "shared_layers": "shared layers are averaged over all clients' rows",
     "repair": "repair splits a cluster by its members' updates",
     "min_cluster_share": "the good initializer counts each client's choice",
-    "init": "the private start clusters individual first updates",
     "empty_cluster_fix": "it pins devices by their last cluster, which the server does not learn",
 }
 

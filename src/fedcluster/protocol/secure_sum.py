@@ -175,5 +175,6 @@ def secure_request(base: ClientComputation, request: Request, clip: float) -> Re
         "secure_of_module": base.module,
         "secure_start": base.update[1],
         "clip": float(clip),
+        "entry_bound": entry_bound(clip),
     }
     return replace(request, settings=settings)
