@@ -27,8 +27,9 @@ Federations (``--federation``), reductions of the docs' rotation preset
   and 250 test images, the whole of Fashion-MNIST's 70,000; lr 0.3, B = 64,
   clip 1 per sample. DP-SGD's noise per step is σ·C/(q·n) per coordinate, so
   clients with many records keep their uploads informative.
-- ``mnist-2400`` and ``fmnist-2400`` (modes central, device, private, secure; ε = 1,
-  4, 8; ``secure``: the server receives only each cluster's sum): the
+- ``mnist-2400`` and ``fmnist-2400`` (modes central, device, private, secure, sampled;
+  ε = 1, 4, 8; ``secure``: the server receives only each cluster's sum; ``sampled``: 10 %
+  of the clients a round): the
   population sizes DP needs, IFCA's rotated MNIST (Ghosh et al., NeurIPS 2020,
   Sec. 5.2: 2,400 clients of 100 images, 600 per rotation) and the same on
   Fashion-MNIST, mclr with IFCA's local training (10 full-batch steps at lr 0.1),
@@ -91,6 +92,8 @@ ALGORITHMS = {
     "params: {n_clusters: 4, init: private, private_start: {clip: START_CLIP}}}",
     "fesem-private": "{name: fesem, label: fesem-private, params: {n_clusters: 4, "
     "init: private, private_start: {clip: START_CLIP}, choice_on_device: true}}",
+    "ifca-device-private": "{name: ifca, label: ifca-device-private, params: {n_clusters: 4, "
+    "choice_on_device: true, init: private, private_start: {clip: START_CLIP}}}",
     "dcfl-private": "{name: dcfl, label: dcfl-private, params: {n_clusters: 4, "
     "choice_on_device: true, init: private, private_start: {clip: START_CLIP}}}",
     "fedgroup-private": "{name: fedgroup, label: fedgroup-private, params: {n_groups: 4, "
@@ -157,7 +160,12 @@ POPULATION_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "secure": (
         ("privacy.mode=central", "privacy.secure_aggregation=true"),
-        ("fedavg", "ifca-device", "dcfl-device", "fedgroup-device"),
+        ("fedavg", "ifca-device", "ifca-device-private", "dcfl-private", "fedgroup-private"),
+    ),
+    # partial participation: 10 % of the clients a round, the accountant's sampling rate q
+    "sampled": (
+        ("privacy.mode=central", "participation.fraction=0.1"),
+        ("fedavg", "ifca-private", "fedgroup-private"),
     ),
 }
 

@@ -27,13 +27,8 @@ from fedcluster.engine.client_computations import TRAIN
 from fedcluster.privacy.central import projection
 from fedcluster.privacy.private_start import UpdateStatistics
 from fedcluster.protocol.client_side import ClientBatch
-from fedcluster.protocol.computation import (
-    ClientComputation,
-    Payload,
-    ReplyField,
-    Request,
-    register_computation,
-)
+from fedcluster.protocol.computation import Payload, Request
+from fedcluster.protocol.secure_sum import summed_computation
 
 
 def _contribution(stats: UpdateStatistics, request: Request) -> torch.Tensor:
@@ -74,16 +69,8 @@ def _start_share(batch: ClientBatch, request: Request) -> Payload:
     return {"share": torch.stack(terms)}
 
 
-START_SHARE = register_computation(
-    ClientComputation(
-        name="private-start-share",
-        reply={"share": ReplyField(_share_shape, dtype=torch.float64)},
-        batched_run=_start_share,
-        exempt_because=(
-            "a term of a secure sum under central DP: the server adds the private "
-            "start's noise to the sum, the only thing it sees"
-        ),
-    )
+START_SHARE = summed_computation(
+    "private-start-share", _share_shape, _start_share, "the device's term of a private-start sum"
 )
 """A device's term of one step of the private start (the setting ``start_step``:
 ``moment``, ``cells``, ``clusters`` or ``groups``), from its first update."""

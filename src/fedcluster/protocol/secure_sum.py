@@ -148,16 +148,29 @@ def _secure_share(batch: ClientBatch, request: Request) -> Payload:
     return {"share": shares(reply["row"], models, clusters, reply["loss"], s["clip"])}
 
 
-SECURE_SHARE = register_computation(
-    ClientComputation(
-        name="secure-share",
-        reply={"share": ReplyField(_share_shape, dtype=torch.float64)},
-        batched_run=_secure_share,
-        exempt_because=(
-            "central DP with secure aggregation: the device clips its update and the "
-            "server adds the noise to the sum, the only thing it sees"
-        ),
+def summed_computation(
+    name: str,
+    shape: Callable[[Request], tuple[int, ...]],
+    run: Callable[[ClientBatch, Request], Payload],
+    what: str,
+) -> ClientComputation:
+    """A registered computation whose reply is one device's term ``share`` (float64, of
+    ``shape``) of a secure sum; ``what`` the term is, for the local-DP exemption."""
+    return register_computation(
+        ClientComputation(
+            name=name,
+            reply={"share": ReplyField(shape, dtype=torch.float64)},
+            batched_run=run,
+            exempt_because=(
+                f"{what}: a term of a secure sum under central DP; the server adds the "
+                "noise to the sum, the only thing it sees"
+            ),
+        )
     )
+
+
+SECURE_SHARE = summed_computation(
+    "secure-share", _share_shape, _secure_share, "the device's clipped update and counts"
 )
 """A training from the request's shared start row, or choosing among its models (the
 computation named by the setting ``secure_of``), turned into the device's contribution
