@@ -156,6 +156,29 @@ def test_a_secure_run_spends_the_budget_and_repeats_itself(tmp_path):
         assert float(row["bytes_up"]) > 0
 
 
+def test_without_the_assignment_a_client_is_tested_with_its_lowest_loss_model(tmp_path):
+    """The server never learns who chose which cluster, so every client is evaluated with
+    the model of lowest training loss (IFCA's choice); with little noise (ε = 10⁴) the
+    secure runs test as well as the trusted server's, which evaluate each client with
+    the cluster it chose (DCFL and FedGroup: the cluster mean for one never selected)."""
+    algorithms = (
+        "algorithms=[{name: ifca, params: {n_clusters: 2, choice_on_device: true}}, "
+        "{name: dcfl, params: {n_clusters: 2, choice_on_device: true}}, "
+        "{name: fedgroup, params: {n_groups: 2, choice_on_device: true}}]"
+    )
+    accuracy = {}
+    for secure in ("false", "true"):
+        sets = [*TINY, "privacy.epsilon=1e4", f"privacy.secure_aggregation={secure}", algorithms]
+        config = resolve_config(None, "quickstart", sets, {"seeds": [0], "rounds": 4})
+        Experiment(config).run(tmp_path / secure, progress=False)
+        with (tmp_path / secure / "metrics.csv").open() as f:
+            last = [r for r in csv.DictReader(f) if r["round"] == "4"]
+        accuracy[secure] = {r["algorithm"]: float(r["accuracy"]) for r in last}
+    for name, trusted in accuracy["false"].items():
+        assert trusted > 0.25  # far above chance (0.1): the comparison is about real models
+        assert accuracy["true"][name] >= trusted - 0.05, (name, accuracy)
+
+
 @pytest.mark.parametrize(
     "change,error",
     [

@@ -196,6 +196,45 @@ def private_initial_models(ctx: Context, k: int, params: PrivateStart, who: str)
     return w0 + found.updates
 
 
+def loss_query(
+    ctx: Context,
+    models: torch.Tensor,
+    clients: np.ndarray,
+    rnd: int,
+    purpose: str,
+    batches: str = "one",
+    measurement: bool = False,
+    tied: dict[str, torch.Tensor] | None = None,
+) -> Replies:
+    """Each client's loss of the K ``models`` [n, K] on one mini-batch (``batches: all``:
+    all) of its training data (:data:`~fedcluster.engine.client_computations.LOSSES`;
+    ``tied``: shared columns sent once)."""
+    request = Request(
+        shared={"models": models},
+        settings={"train": ctx.train, "round": rnd, "purpose": purpose, "batches": batches},
+        tied=tied or {},
+    )
+    return ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
+
+
+def loss_choice(
+    ctx: Context,
+    models: torch.Tensor,
+    assign: np.ndarray,
+    tied: dict[str, torch.Tensor] | None = None,
+) -> np.ndarray:
+    """``assign`` [n_clients] with every present client that has no cluster (−1) given the
+    model of lowest loss on one mini-batch of its training data, as IFCA evaluates a
+    never-selected client (a measurement; clients not present keep −1: nobody evaluates
+    them). Under secure aggregation no client has one the server knows."""
+    out = assign.copy()
+    unknown = np.flatnonzero((out < 0) & ctx.present)
+    if len(unknown):
+        losses = loss_query(ctx, models, unknown, 0, "eval-choice", measurement=True, tied=tied)
+        out[losses.clients] = losses["losses"].argmin(dim=1).numpy()
+    return out
+
+
 @dataclass(frozen=True)
 class Choice:
     """The clients that chose (those that answered the decision query) and their clusters."""
@@ -309,18 +348,8 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
     ) -> Replies:
         """The decision query: each client's loss of the K ``models`` [n, K]
         (:data:`~fedcluster.engine.client_computations.LOSSES`)."""
-        shared = {"models": models}
-        request = Request(
-            shared=shared,
-            settings={
-                "train": self.ctx.train,
-                "round": rnd,
-                "purpose": purpose,
-                "batches": batches,
-            },
-            tied=self.tied(shared),
-        )
-        return self.ctx.ask(LOSSES, clients, request, rnd, measurement=measurement)
+        tied = self.tied({"models": models})
+        return loss_query(self.ctx, models, clients, rnd, purpose, batches, measurement, tied)
 
     def choose_and_train(
         self, state: ClusterModelState, rnd: int, selected: np.ndarray
@@ -481,14 +510,8 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
         return 2 if self.params.weighting == "samples" else 1
 
     def eval_rows(self, state: ClusterModelState) -> tuple[torch.Tensor, np.ndarray]:
-        assign = state.assign.copy()
-        unknown = np.flatnonzero((assign < 0) & self.ctx.present)
-        if len(unknown):
-            # Never-selected clients pick the model with the lowest loss, as IFCA does
-            # (clients not present keep −1: nobody evaluates them).
-            loss = self.model_losses(state.models, unknown, 0, "eval-choice", measurement=True)
-            assign[loss.clients] = loss["losses"].argmin(dim=1).numpy()
-        return state.models, assign
+        tied = self.tied({"models": state.models})
+        return state.models, loss_choice(self.ctx, state.models, state.assign, tied)
 
     def clusters(self, state: ClusterModelState) -> np.ndarray:
         return state.assign.copy()

@@ -98,6 +98,7 @@ from fedcluster.algorithms.base import (
     register,
     weighted_loss,
 )
+from fedcluster.algorithms.cluster_models import loss_choice
 from fedcluster.algorithms.direction_choice import (
     DeviceStartParams,
     direction_round,
@@ -340,6 +341,8 @@ class DCFL(Algorithm[DCFLParams, DCFLState]):
         return placed
 
     def eval_rows(self, state: DCFLState) -> tuple[torch.Tensor, np.ndarray]:
+        if self.ctx.secure:  # who chose which cluster stays on the devices
+            return state.models, loss_choice(self.ctx, state.models, state.assign)
         return eval_rows_with_average(state.models, state.assign)
 
     def clusters(self, state: DCFLState) -> np.ndarray:

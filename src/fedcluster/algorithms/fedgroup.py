@@ -89,6 +89,7 @@ from fedcluster.algorithms.base import (
     weighted_loss,
 )
 from fedcluster.algorithms.cluster_count import AUTO_HELP
+from fedcluster.algorithms.cluster_models import loss_choice
 from fedcluster.algorithms.direction_choice import (
     DeviceStartParams,
     direction_round,
@@ -326,6 +327,8 @@ class FedGroup(Algorithm[FedGroupParams, FedGroupState]):
         return groups
 
     def eval_rows(self, state: FedGroupState) -> tuple[torch.Tensor, np.ndarray]:
+        if self.ctx.secure:  # who chose which cluster stays on the devices
+            return state.models, loss_choice(self.ctx, state.models, state.assign)
         return eval_rows_with_average(state.models, state.assign)
 
     def clusters(self, state: FedGroupState) -> np.ndarray:
