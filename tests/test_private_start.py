@@ -189,6 +189,15 @@ def test_without_dp_the_start_is_one_counted_training_upload_per_client(tmp_path
     assert all(r["epsilon"] == "" for r in rows)  # no DP: no ε
 
 
+@pytest.mark.parametrize("init", ["private", "same"])
+def test_the_good_initializer_with_a_start_that_is_not_random_is_refused(init):
+    """``min_cluster_share`` re-draws random models: with another start it would be ignored."""
+    ifca = f"algorithms=[{{name: ifca, params: {{init: {init}, min_cluster_share: 0.2}}}}]"
+    config = resolve_config(None, "quickstart", [*TINY, ifca], {"rounds": 1})
+    with pytest.raises(ConfigError, match=f"min_cluster_share.*init: {init}"):
+        Experiment(config)
+
+
 def test_too_many_histogram_cells_are_one_line_naming_the_field(tmp_path):
     sets = private_ifca(", grid: 200, seed_dims: 3")
     with pytest.raises(ConfigError, match="private_start.grid"):

@@ -47,7 +47,7 @@ from typing import Literal, TypeVar
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from fedcluster.algorithms.aggregation import cluster_average
 from fedcluster.algorithms.base import (
@@ -120,6 +120,15 @@ class ClusterModelParams(AlgorithmParams):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list shares nothing; leave shared_layers out")
         return value
+
+    @model_validator(mode="after")
+    def _redraws_random_models(self) -> ClusterModelParams:
+        if self.min_cluster_share > 0.0 and self.init != "random":
+            raise ValueError(
+                f"min_cluster_share re-draws random initial models; with init: {self.init} "
+                "there is nothing to re-draw (leave one of them out)"
+            )
+        return self
 
 
 ALL_BUT_LAST = "all_but_last"
