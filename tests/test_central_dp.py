@@ -146,6 +146,33 @@ def test_clip_follows_the_noisy_unclipped_fraction():
     assert dp.clip == pytest.approx(math.exp(-0.2 * (b - 0.5)), rel=1e-6)
 
 
+@pytest.mark.parametrize("q", [1.0, 0.25])
+def test_under_sampling_every_round_is_a_step_of_every_clients_ledger(q):
+    """Amplification by sampling prices a round over the chance of taking part: with
+    q < 1 every client's ledger has one (z, q) step per round that released aggregates,
+    selected or not (Opacus' RDPAccountant stepped once a round); with q = 1 only a
+    client's own releases count."""
+    dp = CentralDP(4, seed=3, delta=1e-5, noise_multiplier=1.2, count_noise=5.0,
+                   sample_rate=q, clip=1.0)  # fmt: skip
+    for rnd in (1, 2, 3):
+        dp.start_round(rnd)
+        rows = torch.ones(1, 6)  # only client 0 takes part
+        dp.observe(np.array([0]), torch.zeros(6), rows)
+        dp(torch.zeros(6), rows)
+        dp.end_round()
+    dp.start_round(4)  # a round without aggregates is no step
+    dp.end_round()
+    acc = RDPAccountant()
+    for _ in range(3):
+        acc.step(noise_multiplier=1.2, sample_rate=q)
+    eps = dp.epsilons()
+    assert eps[0] == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
+    if q < 1.0:
+        np.testing.assert_allclose(eps, eps[0], rtol=0)  # the others as much as client 0
+    else:
+        assert (eps[1:] == 0).all()  # under full participation, nothing without a release
+
+
 # ------------------------------------------------- noise once per aggregate
 def test_central_noise_is_added_once_per_cluster_aggregate(monkeypatch):
     calls: list[float] = []

@@ -295,6 +295,8 @@ class CentralDP:
         self.sketch_sum = torch.zeros(self.n_clients, k)
         self.round = 0
         self.calls = 0
+        self.aggregate_rounds = 0
+        """Rounds that released aggregates (the steps of a sampled client's ledger)."""
         self._bits: dict[int, bool] = {}
         self._summed_bits: list[float] = [0.0, 0]
 
@@ -370,7 +372,9 @@ class CentralDP:
         self._summed_bits = [0.0, 0]
 
     def end_round(self) -> None:
-        """C_{t+1} = C_t·exp(−η_C(b̃ − γ)) from the round's noisy unclipped fraction (Alg. 1)."""
+        """Count the round if it released aggregates; C_{t+1} = C_t·exp(−η_C(b̃ − γ)) from
+        the round's noisy unclipped fraction (Alg. 1)."""
+        self.aggregate_rounds += int(self.calls > 0)
         m = len(self._bits) + self._summed_bits[1]
         if m == 0:
             return
@@ -450,8 +454,17 @@ class CentralDP:
         self.started[clients] += self.start_releases
 
     # ---------------------------------------------------------- accounting
+    def aggregate_steps(self) -> np.ndarray:
+        """Each client's aggregate steps in the ledger: its releases under full
+        participation; under sampling (q < 1) every round that released aggregates, taken
+        part or not, since amplification by sampling prices each round's mechanism over
+        the chance of being in it (Opacus counts a step for every sample alike)."""
+        if self.sample_rate >= 1.0:
+            return self.releases
+        return np.maximum(self.releases, self.aggregate_rounds)
+
     def epsilons(self) -> np.ndarray:
-        """ε spent so far by every client: its aggregates, sketches and private start's
+        """ε spent so far by every client: its aggregate steps, sketches and private start's
         releases composed by RDP."""
         return np.array(
             [
@@ -463,7 +476,7 @@ class CentralDP:
                     ],
                     self.delta,
                 )
-                for a, s, r in zip(self.releases, self.sketched, self.started, strict=True)
+                for a, s, r in zip(self.aggregate_steps(), self.sketched, self.started, strict=True)
             ]
         )
 
@@ -482,6 +495,7 @@ class CentralDP:
             "started": self.started.tolist(),
             "sketch_sum": self.sketch_sum.tolist(),
             "clip": self.clip,
+            "aggregate_rounds": self.aggregate_rounds,
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -494,3 +508,4 @@ class CentralDP:
             self.sketch_sum.shape
         )
         self.clip = float(state["clip"])
+        self.aggregate_rounds = int(state.get("aggregate_rounds", 0))
