@@ -173,6 +173,20 @@ def test_under_sampling_every_round_is_a_step_of_every_clients_ledger(q):
         assert (eps[1:] == 0).all()  # under full participation, nothing without a release
 
 
+def test_a_sampled_run_plans_every_round_and_ends_at_the_budget(tmp_path):
+    """Under sampling the calibration plans a step per round even with a smaller
+    ``max_participations`` (every round is a step of every ledger): the last round's ε is
+    the target, never above it."""
+    sets = [*TINY, "participation.fraction=0.25", "privacy.max_participations=expected",
+            "algorithms=[{name: fedavg}]"]  # fmt: skip
+    config = resolve_config(None, "quickstart", sets, {"rounds": 4, "seeds": [0]})
+    Experiment(config).run(tmp_path, progress=False)
+    with (tmp_path / "metrics.csv").open() as f:
+        eps = [float(r["epsilon"]) for r in csv.DictReader(f)]
+    assert eps == sorted(eps) and len(set(eps)) == 4  # a step every round
+    assert 9.99 < eps[-1] <= 10.0
+
+
 # ------------------------------------------------- noise once per aggregate
 def test_central_noise_is_added_once_per_cluster_aggregate(monkeypatch):
     calls: list[float] = []

@@ -336,6 +336,8 @@ class CentralDP:
             )
         uploads = max_participations(config, n_clients)
         q = participation_rate(config, n_clients)
+        if q < 1.0:  # every round is a step of every client's ledger (aggregate_steps)
+            uploads = max(uploads, config.rounds)
         sketches = min(p.sketch_releases, uploads) if p.sketch_dim else 0
         if sketches and starts and p.sketch_share + p.start_share >= 1.0:
             raise ConfigError(
