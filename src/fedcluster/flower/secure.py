@@ -57,6 +57,8 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
+from fedcluster.errors import FedclusterError
+
 REQUEST = "fedcluster"
 """The FitIns config key holding the request's settings and tensor names (JSON)."""
 FAILED = "fedcluster.failed"
@@ -157,8 +159,9 @@ class NodeSum:
     """Node -> the positions of its clients it left out of its vector, with why."""
 
 
-class SecureAggregationFailed(RuntimeError):
-    """SecAgg+ halted (too few nodes answered to remove the masks)."""
+class SecureAggregationFailed(FedclusterError, RuntimeError):
+    """SecAgg+ halted (too few nodes answered to remove the masks): the run ends with
+    this one line, as on any fedcluster error."""
 
 
 def secure_sum(
