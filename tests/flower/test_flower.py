@@ -159,6 +159,27 @@ def test_secure_aggregation_by_flowers_secagg_plus_equals_the_simulator(tmp_path
     assert min(accuracy) > 0.3  # far above chance (0.1): the sums trained real models
 
 
+def test_a_secure_round_of_one_node_releases_nothing(tmp_path):
+    """One node's sum would be its own update: a round that asks a single node fails its
+    client (recorded as failed), releases nothing and spends nothing."""
+    config = validate_config(
+        {
+            **CONFIG,
+            "rounds": 2,
+            "participation": {"count": 1},
+            "algorithms": [{"name": "fedavg"}],
+            "privacy": {"mode": "central", "count_noise": 1.0, "secure_aggregation": True},
+        }
+    )
+    run_simulation(config, tmp_path, progress=False)
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["failed"] for r in rows] == ["1", "1"]
+    assert all(r["loss"] == "" or r["loss"] == "nan" for r in rows)
+    assert [float(r["epsilon"]) for r in rows] == [0.0, 0.0]
+    assert rows[0]["accuracy"] == rows[1]["accuracy"]  # the initial model, unchanged
+
+
 @pytest.mark.parametrize("mode", ["client", "record"])
 def test_local_dp_on_flower_draws_the_simulators_noise_on_the_nodes(tmp_path, mode):
     """Client-level noise and DP-SGD noise drawn on the nodes equal the simulator's; a
