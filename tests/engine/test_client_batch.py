@@ -17,12 +17,15 @@ import torch
 
 import fedcluster.algorithms  # noqa: F401  (registers the algorithms' client computations)
 from fedcluster.algorithms.base import init_row
+from fedcluster.algorithms.jgl import CHOOSE_AND_TRAIN
+from fedcluster.engine.client_computations import TRAIN
 from fedcluster.engine.simulator import Simulator
 from fedcluster.models import build_model
 from fedcluster.privacy.mechanisms import UploadTicket
 from fedcluster.protocol.batches import LocalTraining, batch_plan
 from fedcluster.protocol.client_side import ClientBatch, ClientRunner
 from fedcluster.protocol.computation import COMPUTATIONS, Request
+from fedcluster.protocol.secure_sum import secure_request
 from tests.helpers import rotated_digits
 
 PROTOCOL = {name for name in vars(ClientRunner) if not name.startswith("_")} | set(
@@ -130,6 +133,30 @@ def _requests(model: torch.nn.Module, fed) -> dict[str, list[Request]]:
         ],
         "flux-descriptor": [
             Request(shared={"model": rows[0]}, settings={"n_classes": fed.n_classes, "latent": 8})
+        ],
+        "secure-share": [  # a round's contribution: DP-FedAvg's training, IFCA's choice
+            secure_request(TRAIN, Request(shared={"start": rows[0]}, settings=train), 0.5),
+            secure_request(
+                CHOOSE_AND_TRAIN,
+                Request(shared={"models": rows}, settings={**train, **jgl, "rule": "loss"}),
+                0.5,
+            ),
+        ],
+        "private-start-share": [  # a device's term of each of the private start's sums
+            Request(
+                shared={"start": rows[0], "basis": torch.eye(8)[:, :4], "centres": rows[:, :4]},
+                settings={
+                    **train,
+                    "purpose": "private-start",
+                    "start_step": step,
+                    "sketch_dim": 8,
+                    "projection_seed": 3,
+                    "clip": 1.0,
+                    "cell_dims": 2,
+                    "grid": 3,
+                },
+            )
+            for step in ("moment", "cells", "clusters", "groups")
         ],
     }
 
