@@ -91,6 +91,18 @@ _NEEDS_INDIVIDUAL_UPLOADS = {
 }
 
 
+def planned_steps(config: ExperimentConfig, n_clients: int) -> int:
+    """The aggregate steps a client's budget plans: ``max_participations``, and under
+    sampling (q < 1) at least one per round, since every round is a step of every
+    client's ledger (:meth:`CentralDP.aggregate_steps`)."""
+    from fedcluster.privacy.ledger import max_participations, participation_rate
+
+    uploads = max_participations(config, n_clients)
+    if participation_rate(config, n_clients) < 1.0:
+        return max(uploads, config.rounds)
+    return uploads
+
+
 def check_secure_aggregation(config: ExperimentConfig) -> None:
     """With ``privacy.secure_aggregation``, refuse what it cannot serve before anything
     runs, one line naming the setting: a mode other than central, an algorithm other
@@ -306,7 +318,7 @@ class CentralDP:
     ) -> CentralDP | None:
         """The job's central DP from the ``privacy`` section (None unless ``mode: central``);
         ``starts``: the releases of the job's private start (0: none)."""
-        from fedcluster.privacy.ledger import max_participations, participation_rate
+        from fedcluster.privacy.ledger import participation_rate
 
         p = config.privacy
         if p.mode != "central":
@@ -334,10 +346,8 @@ class CentralDP:
                 "aggregation.rule: central DP is its own clipped mean; got "
                 f"{config.aggregation.rule!r}, use mean"
             )
-        uploads = max_participations(config, n_clients)
+        uploads = planned_steps(config, n_clients)
         q = participation_rate(config, n_clients)
-        if q < 1.0:  # every round is a step of every client's ledger (aggregate_steps)
-            uploads = max(uploads, config.rounds)
         sketches = min(p.sketch_releases, uploads) if p.sketch_dim else 0
         if sketches and starts and p.sketch_share + p.start_share >= 1.0:
             raise ConfigError(
