@@ -378,20 +378,22 @@ class Context:
 
     def secure_total(
         self, computation: ClientComputation, clients: np.ndarray, request: Request, rnd: int
-    ) -> SecureTotal:
+    ) -> tuple[torch.Tensor, SecureTotal]:
         """Ask ``clients`` to train by ``computation`` from ``request``'s start row (or
         choosing among its K models), and receive only the sum of their contributions
         (:mod:`fedcluster.protocol.secure_sum`): each cluster's clipped sum and size. The
-        contributors enter the central DP ledger and the adaptive clip's count."""
+        contributors enter the central DP ledger and the adaptive clip's count. Returns
+        the K models [K, d] released from the sums (the trusted server's noise,
+        :meth:`SecureTotal.released`) and the sums."""
         central = self.central
         if central is None:
             raise ValueError("secure aggregation needs central DP (privacy.mode: central)")
         asked = secure_request(computation, request, central.clip)
         counted, total = self.channel.ask_summed(SECURE_SHARE, clients, asked, rnd)
-        k, d = start_models(asked).shape
-        result = SecureTotal.from_vector(total, int(k), int(d))
+        models = start_models(asked)
+        result = SecureTotal.from_vector(total, *models.shape)
         central.observe_sum(counted, result.unclipped, len(counted))
-        return result
+        return result.released(models, central.release_sum), result
 
     def clustering_view(
         self, clients: np.ndarray, origins: torch.Tensor, ends: torch.Tensor, who: str

@@ -430,12 +430,9 @@ class ClusterModelAlgorithm(Algorithm[CP, ClusterModelState]):
         sum and size only, and releases cluster k as W_k + (S_k + noise)/n_k in the order
         of the trusted server's :func:`cluster_average` (the same noise). Who chose
         which cluster stays unknown to the server (``assign`` is unchanged)."""
-        ctx = self.ctx
-        assert ctx.central is not None
         computation, rule, shared = self.device_choice(state)
         request = self.device_choice_request(state, rnd, rule, shared)
-        total = ctx.secure_total(computation, selected, request, rnd)
-        new = total.released(state.models, ctx.central.release_sum)
+        new, total = self.ctx.secure_total(computation, selected, request, rnd)
         released = replace(state, models=new, delta=new - state.models)
         return RoundOutput(released, total.mean_loss, {})
 

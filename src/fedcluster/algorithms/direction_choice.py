@@ -261,9 +261,7 @@ def secure_direction_round(
     the server receives each cluster's clipped sum and size only, releases the trusted
     server's models from them and their steps as directions; who chose which cluster
     stays unknown to it (no accepted exchange: ``assign`` unchanged)."""
-    assert ctx.central is not None
-    total = ctx.secure_total(DIRECTION_CHOOSE_AND_TRAIN, selected, request, rnd)
-    new = total.released(models, ctx.central.release_sum)
+    new, total = ctx.secure_total(DIRECTION_CHOOSE_AND_TRAIN, selected, request, rnd)
     none = np.zeros(0, dtype=np.int64)
     ex = Exchange(np.zeros(len(selected), dtype=bool), none, new[:0], torch.zeros(0))
     steps = (directions, noise)

@@ -102,11 +102,9 @@ class FedAvg(Algorithm[FedAvgParams, FedAvgState]):
         server receives the sum of the clipped updates and their count, and releases the
         trusted server's model from them (the same noise)."""
         ctx = self.ctx
-        assert ctx.central is not None
         request = ctx.training_request(state.global_model, rnd, ctx.local(mu=self.params.mu))
-        total = ctx.secure_total(TRAIN, selected, request, rnd)
-        model = total.released(state.global_model.unsqueeze(0), ctx.central.release_sum)[0]
-        return RoundOutput(replace(state, global_model=model), total.mean_loss)
+        models, total = ctx.secure_total(TRAIN, selected, request, rnd)
+        return RoundOutput(replace(state, global_model=models[0]), total.mean_loss)
 
     def eval_rows(self, state: FedAvgState) -> tuple[torch.Tensor, np.ndarray]:
         return state.global_model.unsqueeze(0), np.zeros(self.ctx.n_clients, dtype=np.int64)

@@ -153,10 +153,9 @@ class NodeSum:
     """What secure aggregation returned: the sum over the nodes in it."""
 
     total: np.ndarray
-    nodes: list[int]
-    """The nodes whose masked vectors are in the sum."""
     left_out: dict[int, dict[int, str]] = field(default_factory=dict)
-    """Node -> the positions of its clients it left out of its vector, with why."""
+    """Each node whose masked vector is in the sum -> the positions of its clients it
+    left out of its vector, with why."""
 
 
 class SecureAggregationFailed(FedclusterError, RuntimeError):
@@ -197,10 +196,4 @@ def secure_sum(
         int(proxy.node_id): {int(k): v for k, v in json.loads(str(res.metrics[FAILED])).items()}
         for proxy, res in results
     }
-    return NodeSum(mean * len(results), sorted(left_out), left_out)
-
-
-def step(bound: float, nodes: int) -> float:
-    """The quantization step 2R/Q of one node's entry: the sum's entries are within
-    ``nodes`` steps of the exact sum."""
-    return 2.0 * bound / quantization_range(nodes)
+    return NodeSum(mean * len(results), left_out)

@@ -105,9 +105,10 @@ def planned_steps(config: ExperimentConfig, n_clients: int) -> int:
 
 def check_secure_aggregation(config: ExperimentConfig) -> None:
     """With ``privacy.secure_aggregation``, refuse what it cannot serve before anything
-    runs, one line naming the setting: a mode other than central, an algorithm other
-    than IFCA/JGL with the choice on the device, settings that need individual uploads
-    or assignments, simulated faults that garble uploads."""
+    runs, one line naming the setting: a mode other than central, an algorithm outside
+    :data:`SECURE_GLOBAL` or :data:`SECURE_CLUSTERED` with the choice on the device,
+    settings that need individual uploads or assignments (JGL's ``empty_cluster_fix`` is
+    on unless set to false), simulated faults that garble uploads."""
     if not config.privacy.secure_aggregation:
         return
     if config.privacy.mode != "central":
@@ -127,9 +128,8 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
             )
         for key, why in _NEEDS_INDIVIDUAL_UPLOADS.items():
             value = a.params.get(key)
-            if value not in (None, False, 0, 0.0, "random", "same") or (
-                key == "empty_cluster_fix" and a.name == "jgl" and value is None
-            ):
+            on_by_default = key == "empty_cluster_fix" and a.name == "jgl"
+            if value not in (None, False, 0, 0.0) or (on_by_default and value is None):
                 raise ConfigError(
                     f"privacy.secure_aggregation: {where} sets {key} ({why}); "
                     f"{'set it to false' if key == 'empty_cluster_fix' else 'leave it out'}"
